@@ -1,0 +1,224 @@
+"""Process-group setup: the one place that chooses the backend and the device.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE for every worker. `setup()` reads
+them, picks nccl + one GPU per rank when this node has a GPU for every local rank and gloo + CPU
+otherwise (saying why), and initialises the default process group with a short timeout
+(`DIST_TIMEOUT` seconds, default 60) so a broken exercise fails instead of hanging for torch's
+default 30 minutes. Without torchrun's variables it runs as one process (world size 1), so labs
+and notebooks can call the same code in-process.
+
+    with distributed() as ctx:          # setup, error record, teardown
+        x = torch.ones(3, device=ctx.device)
+        dist.all_reduce(x)
+        ctx.print0(x)                   # printed by rank 0 only
+        ctx.report(total=x.tolist())    # returned to the launcher (helpers.launch)
+
+Nothing else in the course touches `torch.cuda` unguarded: ask `ctx.device`, `gpu_count()` or
+`synchronize(device)` here.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0
+RESULTS_ENV = "COURSE_RESULTS_DIR"  # set by helpers.launch: where ranks write their reports
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: str      # "nccl" or "gloo"
+    device_type: str  # "cuda" or "cpu"
+    reason: str
+
+
+def gpu_count() -> int:
+    """GPUs this process can see (0 on a CPU-only build or machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(num_gpus: int, local_world_size: int, force_cpu: bool = False) -> BackendChoice:
+    """nccl with one GPU per local rank when there are enough GPUs, else gloo on the CPU."""
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+    if num_gpus < 0:
+        raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
+    if force_cpu:
+        return BackendChoice("gloo", "cpu", "COURSE_DEVICE=cpu asks for the CPU")
+    if num_gpus >= local_world_size:
+        return BackendChoice(
+            "nccl", "cuda", f"{num_gpus} GPU(s) for {local_world_size} local rank(s): one GPU per rank"
+        )
+    if num_gpus == 0:
+        return BackendChoice("gloo", "cpu", "no GPU visible: gloo on the CPU")
+    return BackendChoice(
+        "gloo",
+        "cpu",
+        f"{num_gpus} GPU(s) for {local_world_size} local ranks: nccl needs one GPU per rank, "
+        "so gloo on the CPU",
+    )
+
+
+def timeout_seconds() -> float:
+    raw = os.environ.get("DIST_TIMEOUT", "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"DIST_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"DIST_TIMEOUT must be positive, got {raw!r}")
+    return value
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels on `device` (CUDA runs asynchronously); a no-op on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    reason: str
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print0(self, *args: Any, **kwargs: Any) -> None:
+        """print() on rank 0 only, flushed so launcher output streams in order."""
+        if self.rank == 0:
+            print(*args, **kwargs, flush=True)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def report(self, **values: Any) -> None:
+        """Merge `values` into this rank's JSON report, which `helpers.launch` returns.
+
+        Tensors become lists. Outside a launch (no COURSE_RESULTS_DIR) the values are kept in
+        `last_report` only, so the same lab code runs in-process.
+        """
+        clean = {k: _jsonable(v) for k, v in values.items()}
+        _LAST_REPORT.update(clean)
+        path = results_path(self.rank)
+        if path is None:
+            return
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data.update(clean)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+
+
+_LAST_REPORT: dict[str, Any] = {}
+
+
+def last_report() -> dict[str, Any]:
+    """What `report()` recorded in this process (for in-process, world-size-1 runs)."""
+    return dict(_LAST_REPORT)
+
+
+def results_path(rank: int) -> Path | None:
+    folder = os.environ.get(RESULTS_ENV)
+    return Path(folder) / f"rank{rank}.json" if folder else None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, torch.device):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return int(raw) if raw not in (None, "") else default
+
+
+def setup(timeout_s: float | None = None) -> DistContext:
+    """Initialise the default process group from torchrun's environment (or as one process)."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank = _env_int("RANK", 0) if launched else 0
+    world_size = _env_int("WORLD_SIZE", 1) if launched else 1
+    local_rank = _env_int("LOCAL_RANK", 0) if launched else 0
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size) if launched else 1
+    timeout_s = timeout_seconds() if timeout_s is None else timeout_s
+    choice = choose_backend(
+        gpu_count(), local_world_size, force_cpu=os.environ.get("COURSE_DEVICE", "") == "cpu"
+    )
+    device = torch.device("cuda", local_rank) if choice.device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if launched:
+            dist.init_process_group(choice.backend, rank=rank, world_size=world_size, timeout=timeout)
+        else:  # one process, no rendezvous: an in-memory store is enough
+            dist.init_process_group(
+                choice.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    ctx = DistContext(
+        rank, world_size, local_rank, local_world_size, choice.backend, device, choice.reason, timeout_s
+    )
+    ctx.report(
+        rank=rank, world_size=world_size, local_rank=local_rank, backend=choice.backend,
+        device=str(device), reason=choice.reason, pid=os.getpid(), hostname=os.uname().nodename,
+    )
+    return ctx
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def record_error(rank: int, exc: BaseException) -> None:
+    """Leave this rank's traceback where the launcher finds it, so its message names the rank."""
+    folder = os.environ.get(RESULTS_ENV)
+    if not folder:
+        return
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    path = Path(folder) / f"error.rank{rank}.txt"
+    path.write_text(f"{time.time()}\n{text}")
+
+
+@contextlib.contextmanager
+def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
+    """setup() ... teardown(), recording this rank's error for the launcher if the body raises."""
+    ctx = setup(timeout_s)
+    try:
+        yield ctx
+    except BaseException as exc:
+        record_error(ctx.rank, exc)
+        print(f"[rank {ctx.rank}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        teardown()

@@ -1,0 +1,278 @@
+"""Run a script under torchrun from a notebook cell, a test or run.sh, safely.
+
+    from helpers.launch import launch
+    res = launch("labs/lab00_orientation.py", nproc=2)   # streams every rank's output
+    res.results[1]["device"]                             # what rank 1 reported (ctx.report)
+
+Why not `!torchrun` or `mp.spawn` in a notebook: `!torchrun` ignores a non-zero exit, and
+`mp.spawn` cannot pickle functions defined in the notebook (they live in `__main__`). Why not
+`subprocess.run(timeout=...)`: it kills torchrun but not the workers, which torchrun starts in
+sessions of their own, so they are left running. Here:
+
+- torchrun runs in a new session; every line any rank prints is streamed (`[rank0]:` prefixes);
+- on failure `LaunchError` names the rank that failed first and shows its traceback;
+- on timeout or KeyboardInterrupt (interrupting the cell) torchrun *and* its workers are killed;
+- single node uses `--standalone` (torchrun picks a free port): two launches never collide;
+- each rank's `ctx.report(...)` values come back in `LaunchResult.results`, indexed by rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import psutil
+
+from helpers.dist import RESULTS_ENV, gpu_count
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MAX_KEPT_OUTPUT = 2_000_000  # characters of output kept in LaunchResult (a flood is truncated)
+
+
+class LaunchError(RuntimeError):
+    """A launch that failed, timed out or was given bad input; the message says which rank and why."""
+
+    def __init__(self, message: str, result: "LaunchResult | None" = None):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class LaunchResult:
+    script: str
+    nproc: int
+    returncode: int
+    seconds: float
+    output: str
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def rank0(self) -> dict[str, Any]:
+        return self.results.get(0, {})
+
+
+def default_nproc() -> int:
+    """NPROC if set, else the GPU count when there are 2 or more GPUs, else 2 (gloo on CPU)."""
+    raw = os.environ.get("NPROC", "")
+    if raw:
+        return parse_nproc(raw)
+    gpus = gpu_count()
+    return gpus if gpus >= 2 else 2
+
+
+def parse_nproc(raw: str | int) -> int:
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise LaunchError(f"NPROC must be a positive whole number of ranks, got {raw!r}") from None
+    if value < 1:
+        raise LaunchError(f"NPROC must be a positive whole number of ranks, got {raw!r}")
+    return value
+
+
+def resolve_script(script: str | os.PathLike) -> Path:
+    path = Path(script)
+    if not path.is_absolute():
+        candidates = [Path.cwd() / path, REPO_ROOT / path]
+        path = next((p for p in candidates if p.exists()), candidates[-1])
+    if not path.is_file():
+        raise LaunchError(f"no such script: {script} (paths are relative to the repository root)")
+    return path.resolve()
+
+
+def torchrun_command(
+    script: Path, args: Iterable[str], nproc: int, log_dir: Path, nnodes: int = 1,
+    node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
+    torchrun_args: Iterable[str] = (),
+) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--role", "rank", "--tee", "3", "--log-dir", str(log_dir)]
+    if nnodes == 1:
+        cmd.append("--standalone")  # torchrun picks a free port on this machine
+    else:
+        if not master_addr or not master_port:
+            raise LaunchError("multi-node runs need MASTER_ADDR and MASTER_PORT (node 0's address)")
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
+                "--master-addr", master_addr, "--master-port", str(master_port)]
+    cmd += list(torchrun_args)
+    cmd += [str(script), *map(str, args)]
+    return cmd
+
+
+def launch(
+    script: str | os.PathLike,
+    *args: Any,
+    nproc: int | None = None,
+    timeout: float = 600.0,
+    env: Mapping[str, str] | None = None,
+    stream: bool = True,
+    check: bool = True,
+    torchrun_args: Iterable[str] = (),
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> LaunchResult:
+    """Run `script args` on `nproc` ranks; return what they printed and reported.
+
+    Raises LaunchError (when `check`) if any rank fails, with the failing rank's error in the
+    message, and on timeout. Ctrl-C / interrupting the cell kills every process of the launch.
+    """
+    path = resolve_script(script)
+    nproc = default_nproc() if nproc is None else parse_nproc(nproc)
+    if nnodes < 1:
+        raise LaunchError(f"NNODES must be >= 1, got {nnodes}")
+    with tempfile.TemporaryDirectory(prefix="course-launch-") as tmp:
+        results_dir = Path(tmp) / "results"
+        results_dir.mkdir()
+        cmd = torchrun_command(path, [str(a) for a in args], nproc, Path(tmp) / "logs", nnodes,
+                               node_rank, master_addr, master_port, torchrun_args)
+        child_env = _child_env(results_dir, nproc, env)
+        start = time.perf_counter()
+        returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream)
+        seconds = time.perf_counter() - start
+        results = _read_results(results_dir)
+        errors = _read_errors(results_dir)
+    result = LaunchResult(str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path),
+                          nproc, returncode, seconds, output, results)
+    if check and (returncode != 0 or reason):
+        raise LaunchError(_failure_message(result, reason, errors), result)
+    return result
+
+
+def _child_env(results_dir: Path, nproc: int, extra: Mapping[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra or {})
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env[RESULTS_ENV] = str(results_dir)
+    env["PYTHONUNBUFFERED"] = "1"
+    # torchrun would set 1 thread per rank and print a banner about it; say it ourselves.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def _run_streaming(cmd: list[str], env: dict[str, str], timeout: float, stream: bool):
+    """Run torchrun in its own session, streaming lines; kill everything on timeout/interrupt."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, text=True, errors="replace", bufsize=1)
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    kept: list[str] = []
+    kept_chars = 0
+    reason = ""
+    deadline = time.monotonic() + timeout
+    tracked: set[int] = set()
+    last_scan = 0.0
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                reason = f"timed out after {timeout:.0f} s"
+                break
+            if time.monotonic() - last_scan > 0.5:  # remember workers: they outlive a killed torchrun
+                tracked |= _descendants(proc.pid)
+                last_scan = time.monotonic()
+            try:
+                line = lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            if kept_chars < MAX_KEPT_OUTPUT:
+                kept.append(line)
+                kept_chars += len(line)
+            if stream:
+                print(line, end="", flush=True)
+    except KeyboardInterrupt:
+        kill_tree(proc, tracked)
+        raise
+    if reason:
+        kill_tree(proc, tracked)
+    returncode = proc.wait()
+    kill_tree(proc, tracked)  # nothing is left behind even if torchrun exited oddly
+    if kept_chars >= MAX_KEPT_OUTPUT:
+        kept.append("\n[... output truncated ...]\n")
+    return returncode, "".join(kept), reason
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+    lines.put(None)
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def kill_tree(proc: subprocess.Popen, tracked: set[int] = frozenset()) -> None:
+    """SIGTERM torchrun's group (it forwards to workers), then SIGKILL whatever remains."""
+    pids = set(tracked) | _descendants(proc.pid)
+    if proc.poll() is None:
+        with _quiet():
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    for pid in pids:  # workers run in sessions of their own: kill each one's group too
+        with _quiet():
+            os.killpg(pid, signal.SIGKILL)
+        with _quiet():
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        with _quiet():
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return exc_type is not None and issubclass(exc_type, (ProcessLookupError, PermissionError))
+
+
+def _read_results(folder: Path) -> dict[int, dict[str, Any]]:
+    results = {}
+    for path in folder.glob("rank*.json"):
+        try:
+            results[int(path.stem[4:])] = json.loads(path.read_text())
+        except (ValueError, json.JSONDecodeError):
+            continue
+    return dict(sorted(results.items()))
+
+
+def _read_errors(folder: Path) -> list[tuple[float, int, str]]:
+    errors = []
+    for path in folder.glob("error.rank*.txt"):
+        stamp, _, text = path.read_text().partition("\n")
+        errors.append((float(stamp), int(path.name[len("error.rank"):-len(".txt")]), text))
+    return sorted(errors)
+
+
+def _failure_message(result: LaunchResult, reason: str, errors: list[tuple[float, int, str]]) -> str:
+    head = f"{result.script} on {result.nproc} rank(s) "
+    head += reason if reason else f"failed with exit code {result.returncode}"
+    head += f" after {result.seconds:.1f} s"
+    if errors:
+        _, rank, text = errors[0]  # the first rank to fail is the cause; the others followed it
+        last = text.strip().splitlines()[-1]
+        tail = "\n".join(text.strip().splitlines()[-25:])
+        return f"{head}: rank {rank} raised {last}\n--- rank {rank} traceback (end) ---\n{tail}"
+    tail = "\n".join(result.output.strip().splitlines()[-25:])
+    return f"{head}.\n--- last output ---\n{tail}"

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The course's one entry point. `./run.sh --help` lists what it does.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+
+usage() {
+  cat <<'EOF'
+usage: ./run.sh [COMMAND] [ARGS...]
+
+  (nothing)            set up what is missing, then run every lab in order on NPROC ranks
+  NN                   run lab NN (every labs/labNN_*.py), e.g. ./run.sh 03
+  path/to/script.py    run your own script under torchrun with the course defaults
+  test                 run every test and execute every notebook (smoke sizes), as CI does
+  check [NN]           run the public checks of your exercises (all labs, or lab NN)
+  submit               run the checks and pack your work into an archive to hand in
+  jupyter              start JupyterLab in this repository
+  release DIR          (instructors) write the student edition into DIR
+  grade ARCHIVE... --out DIR   (instructors) grade submissions
+  -h, --help           this text
+
+Environment:
+  NPROC=N        ranks per node (default: the GPU count when >= 2, else 2 on the CPU)
+  NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node runs (see README)
+  DIST_TIMEOUT=S process-group timeout in seconds (default 60)
+  COURSE_SMOKE=1 small sizes (set by ./run.sh test)
+  COURSE_DEVICE=cpu   use gloo on the CPU even when GPUs are present
+EOF
+}
+
+die() { echo "run.sh: $*" >&2; exit 2; }
+
+# ---- check the input before anything starts ---------------------------------------------------
+cmd="${1:-labs}"
+case "$cmd" in
+  -h|--help|help) usage; exit 0 ;;
+esac
+if [[ -n "${NPROC:-}" && ! "${NPROC}" =~ ^[1-9][0-9]*$ ]]; then
+  die "NPROC must be a positive whole number of ranks, got '${NPROC}' (e.g. NPROC=2 ./run.sh)"
+fi
+case "$cmd" in
+  labs|test|check|submit|jupyter|release|grade) ;;
+  [0-9]|[0-9][0-9])
+    nn=$(printf '%02d' "$((10#$cmd))")
+    compgen -G "labs/lab${nn}_*.py" >/dev/null || \
+      die "there is no lab ${nn}; the labs are: $(ls labs | sed -n 's/^lab\([0-9][0-9]\)_.*\.py$/\1/p' | sort -u | tr '\n' ' ')"
+    ;;
+  *.py)
+    [[ -f "$cmd" ]] || die "no such script: $cmd (give a path to a .py file, e.g. labs/lab00_orientation.py)" ;;
+  *) die "unknown command '$cmd' (see ./run.sh --help)" ;;
+esac
+
+# ---- find or make the Python environment -------------------------------------------------------
+has_requirements() {  # does this Python have what requirements.txt asks for?
+  "$1" - <<'PY' 2>/dev/null
+import importlib.metadata as md, re, sys
+if sys.version_info < (3, 10):
+    sys.exit(1)
+for line in open("requirements.txt"):
+    line = line.split("#")[0].strip()
+    if not line:
+        continue
+    name = re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0]
+    try:
+        version = md.version(name)
+    except md.PackageNotFoundError:
+        sys.exit(1)
+    if name == "torch":  # any recent torch (a CUDA build on a GPU machine is fine); 2.13 is pinned for .venv
+        major, minor = (int(x) for x in re.findall(r"\d+", version)[:2])
+        if (major, minor) < (2, 6):
+            sys.exit(1)
+PY
+}
+
+find_python() {
+  if [[ -n "${COURSE_PYTHON:-}" ]]; then PY="$COURSE_PYTHON"; return; fi
+  if [[ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ]] && command -v python >/dev/null \
+     && has_requirements python; then
+    PY="$(command -v python)"; return
+  fi
+  local stamp=".venv/.requirements.sha"
+  local want
+  want="$(cksum < requirements.txt)"
+  if [[ -x .venv/bin/python && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    PY="$ROOT/.venv/bin/python"; return
+  fi
+  if [[ ! -x .venv/bin/python ]]; then
+    local base=""
+    for candidate in python3 python3.13 python3.12 python3.11 python3.10 python; do
+      if command -v "$candidate" >/dev/null 2>&1 && \
+         "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+        base="$candidate"; break
+      fi
+    done
+    [[ -n "$base" ]] || die "Python 3.10 or newer is needed and none was found on PATH: install it (python.org or your package manager), then run ./run.sh again"
+    echo "run.sh: creating .venv with $("$base" --version 2>&1) (first run only)"
+    "$base" -m venv .venv || die "could not create .venv (on Debian/Ubuntu: apt install python3-venv)"
+  fi
+  echo "run.sh: installing requirements.txt into .venv (torch is the CPU build: a few minutes)"
+  .venv/bin/python -m pip install --disable-pip-version-check -q -r requirements.txt 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+  has_requirements .venv/bin/python || die "installing requirements.txt into .venv failed (see pip's messages above)"
+  echo "$want" > "$stamp"
+  PY="$ROOT/.venv/bin/python"
+}
+
+find_python
+export COURSE_PYTHON="$PY"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# ---- dispatch ----------------------------------------------------------------------------------
+case "$cmd" in
+  labs) exec "$PY" -m helpers.cli labs ;;
+  [0-9]|[0-9][0-9]) exec "$PY" -m helpers.cli labs "$cmd" ;;
+  *.py) shift; exec "$PY" -m helpers.cli script "$cmd" "$@" ;;
+  test)
+    shift
+    export COURSE_SMOKE="${COURSE_SMOKE:-1}"
+    export MPLBACKEND=Agg
+    status=0
+    "$PY" -m pytest tests notebooks --nbmake --nbmake-timeout=600 "$@" || status=$?
+    if [[ $status -eq 5 ]]; then echo "run.sh: pytest found no tests" >&2; fi
+    exit $status
+    ;;
+  check|submit|release|grade) shift; exec "$PY" -m helpers.homework "$cmd" "$@" ;;
+  jupyter) shift; exec "$PY" -m jupyter lab --ServerApp.root_dir="$ROOT" "$@" ;;
+esac

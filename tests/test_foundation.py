@@ -1,0 +1,270 @@
+"""The course's foundation: backend choice, the launcher, run.sh, and committed notebooks.
+
+Real processes throughout (torchrun, gloo); launches are few because each costs seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers.dist import choose_backend, distributed, timeout_seconds
+from helpers.launch import REPO_ROOT, LaunchError, launch
+from labs.lab00_orientation import expected_sum
+
+RUN_SH = REPO_ROOT / "run.sh"
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def processes_running(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def assert_all_gone(pids, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"}
+        time.sleep(0.2)
+    assert not alive, f"processes left behind: {alive}"
+
+
+# ---- backend and device choice (a pure function: the launcher tests below run it for real) ----
+
+@pytest.mark.parametrize(
+    "gpus, local_world, backend",
+    [(0, 1, "gloo"), (0, 2, "gloo"), (0, 4, "gloo"),
+     (1, 1, "nccl"), (1, 2, "gloo"), (1, 4, "gloo"),
+     (2, 1, "nccl"), (2, 2, "nccl"), (2, 4, "gloo"),
+     (4, 2, "nccl"), (4, 4, "nccl"), (4, 8, "gloo")],
+)
+def test_backend_choice(gpus, local_world, backend):
+    choice = choose_backend(gpus, local_world)
+    assert choice.backend == backend
+    assert choice.device_type == ("cuda" if backend == "nccl" else "cpu")
+    assert choice.reason
+
+
+def test_backend_choice_forced_cpu_and_bad_sizes():
+    assert choose_backend(4, 2, force_cpu=True).backend == "gloo"
+    with pytest.raises(ValueError):
+        choose_backend(2, 0)
+    with pytest.raises(ValueError):
+        choose_backend(-1, 2)
+
+
+def test_dist_timeout_is_read_and_validated(monkeypatch):
+    monkeypatch.setenv("DIST_TIMEOUT", "7")
+    assert timeout_seconds() == 7
+    monkeypatch.delenv("DIST_TIMEOUT")
+    assert timeout_seconds() == 60
+    monkeypatch.setenv("DIST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="DIST_TIMEOUT"):
+        timeout_seconds()
+
+
+def test_single_process_without_torchrun(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with distributed() as ctx:
+        assert (ctx.rank, ctx.world_size) == (0, 1)
+        x = torch.tensor([2.0])
+        dist.all_reduce(x)
+        assert x.item() == 2.0
+    assert not dist.is_initialized()
+
+
+# ---- the launcher -----------------------------------------------------------------------------
+
+def test_two_launches_at_once_both_succeed():
+    results, errors = [], []
+
+    def one():
+        try:
+            results.append(launch("labs/lab00_orientation.py", nproc=2, timeout=120, stream=False))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(results) == 2
+    for res in results:
+        assert sorted(res.results) == [0, 1]
+        for rank, report in res.results.items():
+            assert report["all_reduce"] == expected_sum(2)
+            assert report["backend"] == choose_backend(torch.cuda.device_count(), 2).backend
+        assert "[rank1]:" in res.output and "[rank0]:" in res.output
+
+
+def test_crashed_rank_ends_run_fast_with_its_message():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(SCRIPTS / "fail_rank.py", nproc=2, timeout=120, stream=False)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    assert "rank 1 raised ValueError: rank one is broken on purpose" in message
+    assert info.value.result.returncode != 0
+
+
+def test_rank_that_never_joins_times_out_and_leaves_nothing():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(SCRIPTS / "hang_rank.py", nproc=2, timeout=120, stream=False,
+               env={"DIST_TIMEOUT": "10"})
+    elapsed = time.monotonic() - start
+    result = info.value.result
+    assert 10 <= elapsed < 60, f"took {elapsed:.1f} s"
+    assert "rank 0 raised" in str(info.value)  # rank 0 waited in the all-reduce and timed out
+    pids = [r["pid"] for r in result.results.values()]
+    assert len(pids) == 2
+    assert_all_gone(pids)
+
+
+def test_launcher_timeout_kills_every_rank():
+    with pytest.raises(LaunchError, match="timed out after 8 s") as info:
+        launch(SCRIPTS / "hang_rank.py", "--all", nproc=2, timeout=8, stream=False)
+    pids = [r["pid"] for r in info.value.result.results.values()]
+    assert len(pids) == 2
+    assert_all_gone(pids)
+
+
+def test_interrupted_launch_leaves_no_process():
+    """Ctrl-C / interrupting a notebook cell: KeyboardInterrupt in the launching process."""
+    code = ("from helpers.launch import launch\n"
+            "launch('tests/scripts/hang_rank.py', '--all', nproc=2, timeout=300, stream=False)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        workers = []
+        while time.monotonic() < deadline:
+            workers = [p for p in psutil.Process(parent.pid).children(recursive=True)
+                       if "hang_rank.py" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline())]
+            if len(workers) == 2:
+                break
+            time.sleep(0.3)
+        assert len(workers) == 2, "the ranks never started"
+        pids = [p.pid for p in workers] + [parent.pid]
+        time.sleep(2)  # let them reach the sleep
+        parent.send_signal(signal.SIGINT)
+        out, _ = parent.communicate(timeout=30)
+        assert parent.returncode != 0
+        assert b"KeyboardInterrupt" in out
+        assert_all_gone(pids)
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+
+
+# ---- run.sh -----------------------------------------------------------------------------------
+
+def run_sh(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(RUN_SH), *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, COURSE_PYTHON=sys.executable, **(env or {})),
+                          timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_localhost_match_one_node():
+    port = str(free_port())
+    common = dict(NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    nodes = [subprocess.Popen([str(RUN_SH), "00"], cwd=REPO_ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, COURSE_PYTHON=sys.executable, NODE_RANK=str(i),
+                                       **common)) for i in range(2)]
+    outputs = [n.communicate(timeout=120)[0] for n in nodes]
+    for node, out in zip(nodes, outputs):
+        assert node.returncode == 0, out
+        # one node with two ranks computes expected_sum(2) (test_two_launches_at_once)
+        assert f"all_reduce(rank + 1) = {expected_sum(2):g}" in out, out
+        assert "| ok" in out  # the summary table
+    assert "rank 0/2" in outputs[0] and "rank 1/2" in outputs[1]
+
+
+@pytest.mark.parametrize(
+    "args, env, expected",
+    [(["99"], {}, "there is no lab 99"),
+     (["labs/no_such_lab.py"], {}, "no such script: labs/no_such_lab.py"),
+     (["00"], {"NPROC": "0"}, "NPROC must be a positive whole number"),
+     (["00"], {"NPROC": "two"}, "NPROC must be a positive whole number"),
+     (["frobnicate"], {}, "unknown command 'frobnicate'")],
+)
+def test_run_sh_bad_input_is_one_clear_line(args, env, expected):
+    start = time.monotonic()
+    proc = run_sh(*args, env=env, timeout=30)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert time.monotonic() - start < 5, "bad input must be refused before anything starts"
+
+
+def test_run_sh_without_python_says_so(tmp_path):
+    shutil.copy(RUN_SH, tmp_path / "run.sh")
+    shutil.copy(REPO_ROOT / "requirements.txt", tmp_path / "requirements.txt")
+    (tmp_path / "labs").mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "cat", "cksum", "ls", "sed", "sort", "tr"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    proc = subprocess.run([str(bin_dir / "bash"), str(tmp_path / "run.sh"), "check"],
+                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=30)
+    assert proc.returncode != 0
+    assert "Python 3.10 or newer is needed" in proc.stderr, proc.stderr
+
+
+def test_run_sh_help_lists_commands():
+    proc = run_sh("--help", timeout=30)
+    assert proc.returncode == 0
+    for word in ("test", "check", "submit", "jupyter", "NPROC", "NNODES"):
+        assert word in proc.stdout
+
+
+# ---- repository hygiene -----------------------------------------------------------------------
+
+def test_committed_notebooks_carry_no_outputs():
+    notebooks = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+    assert notebooks, "no notebooks found"
+    for path in notebooks:
+        nb = json.loads(path.read_text())
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                assert not cell.get("outputs"), f"{path.name} has outputs"
+                assert cell.get("execution_count") is None, f"{path.name} has execution counts"
+
+
+def test_every_lab_documents_how_to_run_it():
+    for lab in sorted((REPO_ROOT / "labs").glob("lab[0-9][0-9]_*.py")):
+        doc = lab.read_text().split('"""')[1]
+        assert "./run.sh" in doc, f"{lab.name}: its docstring should say how to run it"
