@@ -33,8 +33,11 @@ def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None =
 
 
 def table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None,
-          title: str | None = None, floatfmt: str = ".3g") -> str:
-    """Show a table: rendered Markdown in a notebook, aligned text in a terminal. Returns the text."""
+          title: str | None = None, floatfmt: str = ".3g") -> None:
+    """Show a table: rendered Markdown in a notebook, aligned text in a terminal.
+
+    Returns nothing, so a notebook cell ending in table(...) does not echo the text again; use
+    format_table() for the text itself."""
     text = format_table(rows, columns, floatfmt)
     if title:
         text = f"**{title}**\n\n{text}" if in_notebook() else f"{title}\n{text}"
@@ -43,7 +46,6 @@ def table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None,
         display(Markdown(text))
     else:
         print(text, flush=True)
-    return text
 
 
 def bar_chart(labels: Sequence[str], values: Sequence[float], *, title: str, ylabel: str,
