@@ -1,0 +1,19 @@
+"""The homework cycle: release the student edition, check, submit, grade.
+
+    python -m helpers.homework release DIR             # instructor: write the student edition
+    python -m helpers.homework check [NN]              # student: public tests, summary per exercise
+    python -m helpers.homework submit                  # student: checks + archive (path = last line)
+    python -m helpers.homework grade A.tar.gz... --out DIR   # instructor: hidden + public tests
+
+(`./run.sh check|submit|release|grade ...` runs the same from the repository root.)
+
+Conventions: exercise code sits between the nbgrader-style lines `### BEGIN SOLUTION` and
+`### END SOLUTION` inside a function or method body in `labs/labNN_*.py`; the exercise's name is
+the enclosing function (`Class.method` for methods) and `notebooks/NN_*.ipynb` explains it.
+Public tests are `tests/public/test_labNN_*.py`, hidden ones `tests/hidden/test_labNN_*.py`,
+marked `@pytest.mark.exercise("name")` and optionally `@pytest.mark.points(n)` (default 1).
+
+Modules: exercises (find and stub solution blocks), files (what ships, notebook stripping),
+release, plugin (the pytest plugin that records results), runner (bounded pytest runs), check,
+archive (submission archive safety), submit, grade. Nothing here imports torch.
+"""

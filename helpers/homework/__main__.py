@@ -1,0 +1,82 @@
+"""Command line: python -m helpers.homework {check,submit,release,grade} ... (see --help)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from helpers.homework.runner import DEFAULT_TIMEOUT_S
+
+ROOT = Path(__file__).resolve().parents[2]  # the course whose helpers/ this is
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="./run.sh", description="The homework cycle.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    check = commands.add_parser("check", help="run the public checks of lab NN (or all labs)")
+    check.add_argument("lab", nargs="?", help="lab number, e.g. 04 (default: all labs)")
+    check.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                       help="seconds per test (default %(default)g)")
+
+    submit = commands.add_parser("submit", help="run the checks and pack submissions/<id>-<time>.tar.gz")
+    submit.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="seconds per test (default %(default)g)")
+    submit.add_argument("--budget", type=float, default=900.0,
+                        help="seconds for all checks together (default %(default)g)")
+
+    release = commands.add_parser("release", help="write the student edition into DIR")
+    release.add_argument("dir", type=Path)
+    release.add_argument("--force", action="store_true",
+                         help="replace DIR if it holds an earlier student edition")
+    release.add_argument("--strict", action="store_true",
+                         help="also refuse when a solution line appears outside the solution blocks")
+
+    grade = commands.add_parser("grade", help="grade submission archives into DIR")
+    grade.add_argument("archives", nargs="+", type=Path)
+    grade.add_argument("--out", type=Path, required=True, help="folder for grades.csv and feedback")
+    grade.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                       help="seconds per test (default %(default)g)")
+    grade.add_argument("--lab", action="append", default=None,
+                       help="grade only lab NN's tests (repeat for several)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if getattr(args, "timeout", 1) <= 0:
+        print("--timeout must be positive", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        from helpers.homework.check import normalise_lab, run_check
+        try:
+            lab = normalise_lab(args.lab) if args.lab else None
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        return run_check(ROOT, lab, args.timeout)[1]
+    if args.command == "submit":
+        from helpers.homework.submit import submit
+        submit(ROOT, args.timeout, args.budget)
+        return 0
+    if args.command == "release":
+        from helpers.homework.release import ReleaseError, release
+        try:
+            release(ROOT, args.dir, force=args.force, strict=args.strict)
+        except ReleaseError as exc:
+            print(f"release: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    from helpers.homework.check import normalise_lab
+    from helpers.homework.grade import GradingError, grade
+    try:
+        labs = [normalise_lab(lab) for lab in args.lab] if args.lab else None
+        grade(args.archives, args.out, ROOT, args.timeout, labs)
+    except (GradingError, ValueError) as exc:
+        print(f"grade: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

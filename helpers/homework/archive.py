@@ -1,0 +1,151 @@
+"""Submission archives: what `submit` writes and what `grade` accepts.
+
+A submission is a gzip-compressed tar holding only labs/<name>.py, notebooks/<name>.ipynb and
+manifest.json, as regular files. Archives come from students, so every member is validated
+before anything is extracted: no absolute path, no `..`, no link, device or other special
+member, no name outside that set, no duplicate, no member or total above the size limits, not
+too many members. Extraction then writes each validated member's bytes itself (never
+`extractall`) under the destination folder.
+"""
+from __future__ import annotations
+
+import io
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_ARCHIVE_BYTES = 20 * 2**20     # the compressed file
+MAX_MEMBER_BYTES = 5 * 2**20       # one file, uncompressed
+MAX_TOTAL_BYTES = 40 * 2**20       # all files, uncompressed
+MAX_MEMBERS = 200
+ALLOWED = (re.compile(r"labs/[A-Za-z0-9_]+\.py"), re.compile(r"notebooks/[A-Za-z0-9_.-]+\.ipynb"),
+           re.compile(r"manifest\.json"))
+ALLOWED_DIRS = {"labs", "notebooks"}
+ALLOWED_TEXT = "labs/*.py, notebooks/*.ipynb and manifest.json"
+
+
+def _shown(name: str) -> str:
+    """A member name for a message: quoted, and cut short if it is absurdly long."""
+    return repr(name if len(name) <= 80 else name[:40] + "..." + name[-37:])
+
+
+class ArchiveRejected(ValueError):
+    """The archive is unsafe or malformed; the message says why (shown to the student)."""
+
+
+@dataclass
+class Member:
+    name: str       # normalised relative path, e.g. labs/lab04_ring.py
+    info: tarfile.TarInfo
+
+
+def _normalise(raw: str) -> str:
+    if "\\" in raw or any(ord(c) < 32 for c in raw):
+        raise ArchiveRejected(f"member {_shown(raw)}: backslashes and control characters are not allowed")
+    if raw.startswith("/"):
+        raise ArchiveRejected(f"member {_shown(raw)}: absolute paths are not allowed")
+    name = raw
+    while name.startswith("./"):
+        name = name[2:]
+    name = name.rstrip("/")
+    if name == ".":
+        name = ""  # the archive's own top folder, as `tar -C folder .` writes it
+    parts = name.split("/")
+    if ".." in parts:
+        raise ArchiveRejected(f"member {_shown(raw)}: '..' is not allowed in a path")
+    if any(p in ("", ".") for p in parts) and name != "":
+        raise ArchiveRejected(f"member {_shown(raw)}: empty or '.' path components are not allowed")
+    return name
+
+
+def validate(path: Path) -> list[Member]:
+    """The archive's members, all checked; ArchiveRejected naming the first problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArchiveRejected(f"{path.name}: no such file")
+    size = path.stat().st_size
+    if size > MAX_ARCHIVE_BYTES:
+        raise ArchiveRejected(f"the archive is {size} bytes; at most {MAX_ARCHIVE_BYTES} allowed")
+    members: list[Member] = []
+    seen: set[str] = set()
+    total = 0
+    try:
+        with tarfile.open(path, mode="r:gz") as tar:
+            while True:
+                info = tar.next()  # header by header: a bomb stops at its first oversized header
+                if info is None:
+                    break
+                if len(members) >= MAX_MEMBERS:
+                    raise ArchiveRejected(f"more than {MAX_MEMBERS} members")
+                name = _normalise(info.name)
+                if info.issym() or info.islnk():
+                    raise ArchiveRejected(f"member {_shown(info.name)}: links are not allowed")
+                if info.isdir():
+                    if name and name not in ALLOWED_DIRS:
+                        raise ArchiveRejected(f"member {_shown(info.name)}: only {ALLOWED_TEXT} are allowed")
+                    continue
+                if not info.isreg() or info.issparse():
+                    raise ArchiveRejected(f"member {_shown(info.name)}: only regular files are allowed "
+                                          "(no devices, fifos or other special members)")
+                if not any(p.fullmatch(name) for p in ALLOWED):
+                    raise ArchiveRejected(f"member {_shown(info.name)}: only {ALLOWED_TEXT} are allowed")
+                if name in seen:
+                    raise ArchiveRejected(f"member {_shown(info.name)} appears twice")
+                if info.size > MAX_MEMBER_BYTES:
+                    raise ArchiveRejected(f"member {_shown(info.name)} is {info.size} bytes; at most "
+                                          f"{MAX_MEMBER_BYTES} allowed per file")
+                total += info.size
+                if total > MAX_TOTAL_BYTES:
+                    raise ArchiveRejected(f"the files add up to more than {MAX_TOTAL_BYTES} bytes")
+                seen.add(name)
+                members.append(Member(name, info))
+    except ArchiveRejected:
+        raise
+    except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+        raise ArchiveRejected(f"not a readable .tar.gz archive ({type(exc).__name__}: {exc})") from None
+    if not members:
+        raise ArchiveRejected("the archive holds no files")
+    return members
+
+
+def extract(path: Path, dest: Path) -> list[str]:
+    """Validate, then write each member's bytes under `dest`; the names written."""
+    members = validate(path)
+    dest = Path(dest).resolve()
+    wanted = {m.name: m for m in members}
+    written = []
+    with tarfile.open(path, mode="r:gz") as tar:
+        for info in tar:
+            name = _normalise(info.name)
+            member = wanted.get(name)
+            if member is None or not info.isreg():
+                continue
+            target = (dest / name).resolve()
+            if not target.is_relative_to(dest):  # cannot happen after validate(); belt and braces
+                raise ArchiveRejected(f"member {_shown(info.name)} would land outside the folder")
+            source = tar.extractfile(info)
+            data = source.read(MAX_MEMBER_BYTES + 1) if source else b""
+            if len(data) > MAX_MEMBER_BYTES:
+                raise ArchiveRejected(f"member {_shown(info.name)} is larger than its header says")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            target.chmod(0o644)
+            written.append(name)
+    return written
+
+
+def pack(files: dict[str, bytes], out: Path, mtime: float) -> Path:
+    """Write `files` (name -> bytes) as a .tar.gz of plain files owned by nobody in particular."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, mode="w:gz") as tar:
+        for name in sorted(files):
+            data = files[name]
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            info.mtime = int(mtime)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
+    return out

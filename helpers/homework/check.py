@@ -1,0 +1,113 @@
+"""`check [NN]`: the public tests of one lab (or all), summarised per exercise.
+
+Each exercise is passed (all its tests pass), not implemented yet (a test met the stub's
+NotImplementedError, also inside a rank), or failed (with the first failing test's message).
+Exit status 0 only when every test passed. The full pytest output goes to runs/homework/.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers.homework.runner import DEFAULT_TIMEOUT_S, Outcome, TestInfo, run_tests
+
+STATUS_TEXT = {"passed": "passed", "failed": "failed", "not_implemented": "not implemented yet",
+               "not_run": "not run"}
+
+
+@dataclass
+class ExerciseResult:
+    exercise: str
+    status: str                      # passed | failed | not_implemented | not_run
+    message: str = ""
+    tests: list[dict] = field(default_factory=list)
+
+
+def normalise_lab(raw: str) -> str:
+    """'4', '04', 'lab04' -> '04'; ValueError otherwise."""
+    match = re.fullmatch(r"(?:lab)?(\d{1,3})", raw.strip())
+    if not match:
+        raise ValueError(f"expected a lab number such as 04, got {raw!r}")
+    return match.group(1).zfill(2)
+
+
+def public_test_files(root: Path, lab: str | None = None) -> list[str]:
+    pattern = f"test_lab{lab}_*.py" if lab else "test_lab*.py"
+    return sorted(p.relative_to(root).as_posix() for p in (root / "tests" / "public").glob(pattern))
+
+
+def summarise(infos: list[TestInfo], outcomes: dict[str, Outcome]) -> list[ExerciseResult]:
+    """Per exercise, in the order tests were collected; a test without a marker counts under its file."""
+    groups: dict[str, ExerciseResult] = {}
+    for info in infos:
+        name = info.exercise or f"(tests in {info.file})"
+        group = groups.setdefault(name, ExerciseResult(name, "passed"))
+        outcome = outcomes.get(info.nodeid, Outcome(info.nodeid, "not_run", "no result"))
+        group.tests.append({"test": info.nodeid, "outcome": outcome.outcome,
+                            "message": outcome.message})
+    rank = {"not_implemented": 3, "failed": 2, "not_run": 1, "passed": 0}
+    for group in groups.values():
+        worst = None
+        for test in group.tests:
+            kind = test["outcome"]
+            kind = {"timeout": "failed", "crashed": "failed", "skipped": "passed"}.get(kind, kind)
+            if worst is None or rank[kind] > rank[worst[0]]:
+                worst = (kind, test["message"])
+        group.status, group.message = worst if worst else ("passed", "")
+        if group.status == "passed":
+            group.message = ""
+    return list(groups.values())
+
+
+def _stub_text(message: str) -> str:
+    """The stub's own words from a NotImplementedError message, rank prefix and type dropped."""
+    index = message.find("Exercise ")
+    return message[index:] if index >= 0 else message
+
+
+def run_check(root: Path, lab: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+              deadline: float | None = None, log=print, quiet: bool = False
+              ) -> tuple[list[ExerciseResult], int]:
+    """Run the public checks; print the summary; return it with the exit status."""
+    root = root.resolve()
+    files = public_test_files(root, lab)
+    scope = f"lab {lab}" if lab else "all labs"
+    if not files:
+        if lab and not list((root / "labs").glob(f"lab{lab}_*.py")):
+            log(f"There is no lab {lab} (no labs/lab{lab}_*.py).")
+            return [], 2
+        log(f"No public tests for {scope} (tests/public/test_lab{lab or ''}*.py): nothing to check.")
+        return [], 0
+    log_dir = root / "runs" / "homework"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"check-{lab or 'all'}.log"
+    log_path.write_text("")
+    log(f"Public checks for {scope}: {len(files)} test file(s), at most {timeout:g} s per test.")
+    start = time.monotonic()
+
+    def progress(outcome: Outcome) -> None:
+        if not quiet:
+            log(f"  {STATUS_TEXT.get(outcome.outcome, outcome.outcome):<20} {outcome.nodeid}")
+
+    infos, outcomes = run_tests(root, files, timeout=timeout, deadline=deadline,
+                                log_path=log_path, on_outcome=progress)
+    results = summarise(infos, outcomes)
+    log("")
+    width = max([len("exercise")] + [len(r.exercise) for r in results])
+    log(f"{'exercise':<{width}}  status")
+    for result in results:
+        text = STATUS_TEXT[result.status]
+        detail = _stub_text(result.message) if result.status == "not_implemented" else result.message
+        log(f"{result.exercise:<{width}}  {text}" + (f": {detail}" if detail else ""))
+    counts = {k: sum(r.status == k for r in results) for k in STATUS_TEXT}
+    summary = ", ".join(f"{n} {STATUS_TEXT[k]}" for k, n in counts.items() if n)
+    log(f"\n{len(results)} exercise(s): {summary} ({time.monotonic() - start:.0f} s). "
+        f"Full output: {log_path.relative_to(root)}")
+    failing = [t["test"].split("::")[0] for r in results if r.status != "passed" for t in r.tests
+               if t["outcome"] not in ("passed", "skipped")]
+    if failing:
+        log(f"Debug with: .venv/bin/python -m pytest {failing[0]} -x")
+    ok = all(o.passed or o.outcome == "skipped" for o in outcomes.values())
+    return results, 0 if ok and outcomes else 1

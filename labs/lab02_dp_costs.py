@@ -1,0 +1,343 @@
+"""Lab 02 (costs): device semantics, and what DataParallel's design costs, measured.
+
+Run:  ./run.sh 02      (or: ./run.sh labs/lab02_dp_costs.py); rank 0 measures, other ranks idle.
+
+- Devices: every tensor and module lives on a device; mixing devices raises; CUDA is asynchronous.
+- The real nn.DataParallel on this machine (a pass-through without GPUs) against the plain module.
+- ThreadDataParallel (labs/lab02_data_parallel.py): time per phase, bytes held by replica 0 against
+  the others, bytes through replica 0 as the replica count N grows (about 2*C*(N-1) for C bytes of
+  parameters: the parameter-server pattern), and Python threads against a serial loop (the GIL).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from helpers import pick
+from helpers.bench import measure
+from helpers.dist import distributed, gpu_count, synchronize
+from labs.lab02_data_parallel import (FORWARD_PHASES, ThreadDataParallel, make_batch, make_mlp,
+                                      nbytes, parallel_apply, replicate, scatter)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# ----------------------------------------------------------------------------------------------
+# Devices
+# ----------------------------------------------------------------------------------------------
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """A module has no device of its own: it is where its parameters are (all on one here)."""
+    devices = {p.device for p in module.parameters()}
+    if len(devices) != 1:
+        raise ValueError(f"parameters on {len(devices)} devices: {sorted(map(str, devices))}")
+    return devices.pop()
+
+
+def mixed_device_error(device_a: str, device_b: str) -> str:
+    """The error PyTorch raises for `a + b` with `a` on device_a and `b` on device_b."""
+    a = torch.ones(3, device=device_a)
+    b = torch.ones(3, device=device_b)
+    try:
+        a + b
+    except RuntimeError as exc:
+        return f"RuntimeError: {str(exc).splitlines()[0]}"
+    return f"no error: {device_a} + {device_b} worked"
+
+
+def launch_vs_wait(device: torch.device | str, size: int = 2048, launches: int = 10) -> dict:
+    """Queue `launches` matmuls; time until the Python calls return and until the work is done.
+
+    On CUDA the calls return once the kernels are queued, so a timer without synchronize() measures
+    the queueing, not the work. On the CPU every op finishes before it returns: the two agree.
+    """
+    device = torch.device(device)
+    a = torch.randn(size, size, device=device)
+    for _ in range(2):  # warm-up: the first CUDA call pays for context and kernel loading
+        a @ a
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(launches):
+        a @ a
+    returned = time.perf_counter() - start
+    synchronize(device)
+    finished = time.perf_counter() - start
+    return {"device": str(device), "calls_returned_s": returned, "work_finished_s": finished,
+            "ratio": finished / returned}
+
+
+def launch_vs_wait_in_subprocess(env: dict[str, str], size: int = 2048, launches: int = 10) -> dict:
+    """launch_vs_wait on cuda:0 in a fresh Python with extra `env` (CUDA_LAUNCH_BLOCKING=1 must be
+    set before CUDA initialises, so it cannot be switched on inside a running notebook)."""
+    import os
+    code = ("import json; from labs.lab02_dp_costs import launch_vs_wait; "
+            f"print(json.dumps(launch_vs_wait('cuda:0', {size}, {launches})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# The real nn.DataParallel on this machine
+# ----------------------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+
+
+def torch_primitives_on_cpu() -> dict[str, str]:
+    """What torch.nn.parallel's replicate/scatter/parallel_apply/gather do with CPU tensors."""
+    from torch.nn import parallel as tp
+    module, x = nn.Linear(4, 2), torch.randn(6, 4)
+    attempts = {
+        "replicate(module, [0, 1])": lambda: tp.replicate(module, [0, 1]),
+        "scatter(x, [0, 1])": lambda: tp.scatter(x, [0, 1]),
+        "parallel_apply([module] * 2, [x[:3], x[3:]])": lambda: tp.parallel_apply([module] * 2,
+                                                                                 [x[:3], x[3:]]),
+        "gather([x[:3], x[3:]], target_device=-1)": lambda: tp.gather([x[:3], x[3:]], -1),
+    }
+    outcomes = {}
+    for call, attempt in attempts.items():
+        try:
+            value = attempt()
+            outcomes[call] = f"ran, returned {type(value).__name__}"
+        except Exception as exc:  # the point is to show the error
+            outcomes[call] = _first_line(exc)
+    return outcomes
+
+
+def _seconds(fn, device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().cpu().double() - b.detach().cpu().double()).abs().max().item()
+
+
+def dataparallel_probe(width: int, depth: int, batch_size: int, repeats: int = 20) -> dict:
+    """nn.DataParallel around an MLP against the same MLP alone: device_ids, outputs, grads, time.
+
+    Both run on cuda:0 when a GPU exists (DataParallel then uses every visible GPU), else on CPU.
+    Also compares ThreadDataParallel (2 replicas, CPU) with the DataParallel result.
+    """
+    num_classes = 10
+    device = torch.device("cuda", 0) if gpu_count() >= 1 else torch.device("cpu")
+    x, y = make_batch(batch_size, width, num_classes)
+    plain = make_mlp(width, depth, num_classes).to(device)
+    dp_model = make_mlp(width, depth, num_classes).to(device)
+    wrapped = nn.DataParallel(dp_model)
+    ours = ThreadDataParallel(make_mlp(width, depth, num_classes), 2)  # CPU replicas
+    outs = {}
+    for name, model, inputs, targets in [("plain", plain, x.to(device), y.to(device)),
+                                         ("dp", wrapped, x.to(device), y.to(device)),
+                                         ("ours", ours, x, y)]:
+        outs[name] = model(inputs)
+        F.cross_entropy(outs[name], targets).backward()
+    grads = {name: [p.grad for p in m.parameters()]
+             for name, m in [("plain", plain), ("dp", wrapped.module), ("ours", ours.module)]}
+    bare, via_dp = [], []
+    with torch.no_grad():  # interleaved, so both see the same machine load
+        for _ in range(repeats + 2):
+            bare.append(_seconds(lambda: plain(x.to(device)), device))
+            via_dp.append(_seconds(lambda: wrapped(x.to(device)), device))
+    bare_s, dp_s = _median(bare[2:]), _median(via_dp[2:])  # the first two warm up
+    return {
+        "device": str(device), "gpus": gpu_count(), "device_ids": list(wrapped.device_ids),
+        "dp_module_is_model": wrapped.module is dp_model,
+        "outputs_identical": bool(torch.equal(outs["plain"], outs["dp"])),
+        "output_diff_dp_vs_plain": max_diff(outs["plain"], outs["dp"]),
+        "grad_diff_dp_vs_plain": max(max_diff(a, b) for a, b in zip(grads["plain"], grads["dp"])),
+        "output_diff_ours_vs_dp": max_diff(outs["ours"], outs["dp"]),
+        "grad_diff_ours_vs_dp": max(max_diff(a, b) for a, b in zip(grads["ours"], grads["dp"])),
+        "bare_s": bare_s, "dp_s": dp_s, "dp_over_bare": dp_s / bare_s,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# ThreadDataParallel, measured
+# ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """Fix torch's intra-op thread count for a block: one per Python thread shows the GIL alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def phase_times(width: int, depth: int, batch_size: int, replica_counts,
+                steps: int = 5) -> list[dict]:
+    """Median seconds per phase of a training step (forward phases + loss/backward), per N.
+
+    Torch runs 1 intra-op thread meanwhile: each replica thread stands for one device, and intra-op
+    thread teams (one per calling thread) would otherwise oversubscribe the cores and add noise.
+    """
+    num_classes = 10
+    x, y = make_batch(batch_size, width, num_classes)
+    plain = make_mlp(width, depth, num_classes)
+
+    def plain_step():
+        F.cross_entropy(plain(x), y).backward()
+
+    with torch_threads(1):
+        rows = [{"replicas": "plain module", "step": measure(plain_step, repeats=steps).median}]
+        for num_replicas in replica_counts:
+            rows.append(_phase_row(ThreadDataParallel(make_mlp(width, depth, num_classes),
+                                                      num_replicas), x, y, steps))
+    return rows
+
+
+def _phase_row(tdp: ThreadDataParallel, x, y, steps: int) -> dict:
+    samples: dict[str, list[float]] = {p: [] for p in (*FORWARD_PHASES, "loss + backward")}
+    for step in range(steps + 1):  # the first step warms up
+        out = tdp(x)
+        start = time.perf_counter()
+        F.cross_entropy(out, y).backward()
+        backward_s = time.perf_counter() - start
+        if step:
+            for phase in FORWARD_PHASES:
+                samples[phase].append(tdp.last_step.seconds[phase])
+            samples["loss + backward"].append(backward_s)
+    row = {"replicas": tdp.num_replicas, **{p: _median(v) for p, v in samples.items()}}
+    row["step"] = sum(row[p] for p in samples)
+    return row
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def memory_by_replica(width: int, num_classes: int, batch_size: int,
+                      num_replicas: int) -> list[dict]:
+    """Bytes of the tensors each replica holds during one step (a wide output layer, LM-head-like).
+
+    From ThreadDataParallel's record of real tensors, after backward; the loss sits on replica 0.
+    """
+    model = make_mlp(width, 1, num_classes)
+    x, y = make_batch(batch_size, width, num_classes)
+    tdp = ThreadDataParallel(model, num_replicas)
+    loss = F.cross_entropy(tdp(x), y)
+    loss.backward()
+    rows = []
+    for index, held in enumerate(tdp.last_step.held):
+        row = {"replica": index, **held}
+        if index == 0:
+            row["loss"] = nbytes(loss)
+        row["total"] = sum(v for k, v in row.items() if k != "replica")
+        rows.append(row)
+    return rows
+
+
+def traffic_vs_replicas(width: int, depth: int, batch_size: int, replica_counts) -> list[dict]:
+    """Bytes sent to or from replica 0 in one training step, measured, for each replica count N."""
+    num_classes = 10
+    model = make_mlp(width, depth, num_classes)
+    param_bytes = sum(nbytes(p) for p in model.parameters())
+    x, y = make_batch(batch_size, width, num_classes)
+    rows = []
+    for num_replicas in replica_counts:
+        model.zero_grad(set_to_none=True)
+        tdp = ThreadDataParallel(model, num_replicas)
+        F.cross_entropy(tdp(x), y).backward()
+        record = tdp.last_step
+        rows.append({"replicas": record.num_replicas, **record.moved, "total": record.moved_total,
+                     "C": param_bytes, "C*(N-1)": param_bytes * (record.num_replicas - 1)})
+    return rows
+
+
+def serial_apply(replicas, inputs) -> list:
+    """parallel_apply's result computed in a plain loop, one replica after the other."""
+    return [replica(chunk) for replica, chunk in zip(replicas, inputs)]
+
+
+def threads_vs_serial(configs: dict[str, dict], num_replicas: int = 2,
+                      repeats: int = 7) -> list[dict]:
+    """Forward of `num_replicas` replicas: one thread each vs a serial loop, per model config.
+
+    configs: name -> dict(width, depth, batch_size). Torch runs 1 intra-op thread meanwhile, so any
+    speed-up comes from the Python threads running kernels at the same time (they release the GIL);
+    many tiny ops spend their time in Python and the dispatcher, under the GIL, and gain nothing.
+    """
+    rows = []
+    for name, cfg in configs.items():
+        model = make_mlp(cfg["width"], cfg["depth"], 10)
+        x, _ = make_batch(cfg["batch_size"], cfg["width"], 10)
+        chunks = scatter(x, num_replicas)
+        with torch.no_grad(), torch_threads(1):
+            replicas = replicate(model, len(chunks))
+            serial, threaded = [], []
+            for _ in range(repeats + 2):  # interleaved: both see the same machine load
+                serial.append(_seconds(lambda: serial_apply(replicas, chunks), x.device))
+                threaded.append(_seconds(lambda: parallel_apply(replicas, chunks), x.device))
+        serial_s, threads_s = _median(serial[2:]), _median(threaded[2:])  # two warm-ups
+        ops = 2 * cfg["depth"] + 1  # linear and relu ops per replica forward
+        rows.append({"model": name, **cfg, "params": sum(p.numel() for p in model.parameters()),
+                     "ms_per_op": 1e3 * serial_s / (ops * len(chunks)),
+                     "serial_s": serial_s, "threads_s": threads_s, "speedup": serial_s / threads_s})
+    return rows
+
+
+def stacked_bars(labels, stacks: dict[str, list[float]], *, title: str, ylabel: str,
+                 reference: float | None = None, reference_label: str = "", ax=None):
+    """One bar per label, split into the named stacks (a legend entry each); optional dashed line."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(labels) + 3), 3.4))
+    bottom = [0.0] * len(labels)
+    for name, heights in stacks.items():
+        ax.bar(list(labels), heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if reference is not None:
+        ax.axhline(reference, color="gray", linestyle="--", linewidth=1, label=reference_label)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    ax.figure.tight_layout()
+    return ax
+
+
+def main() -> None:
+    from helpers.show import table
+    with distributed() as ctx:
+        if not ctx.is_main:
+            return  # one-process measurements: the other ranks have nothing to do
+        print(mixed_device_error("cpu", "meta"))
+        print("launch vs wait:", launch_vs_wait(ctx.device, pick(1024, 256), 5))
+        table([dataparallel_probe(pick(512, 64), 2, pick(256, 32), repeats=pick(20, 3))],
+              ["device", "device_ids", "outputs_identical", "grad_diff_ours_vs_dp", "dp_over_bare"],
+              title="nn.DataParallel here")
+        table(phase_times(pick(512, 64), 3, pick(256, 32), [1, 2, 4], steps=pick(5, 2)),
+              ["replicas", *FORWARD_PHASES, "loss + backward", "step"],
+              title="ThreadDataParallel: median seconds per phase of one training step")
+        table(memory_by_replica(pick(256, 32), pick(8192, 512), pick(256, 32), 2),
+              title="bytes held per replica (2 replicas, wide output layer)")
+        rows = traffic_vs_replicas(pick(512, 64), 2, pick(64, 16), [1, 2, 4, 8])
+        table(rows, ["replicas", "broadcast params", "reduce param grads", "total", "C*(N-1)"],
+              title="bytes through replica 0 per training step")
+        table(threads_vs_serial({"small": dict(width=32, depth=16, batch_size=16),
+                                 "large": dict(width=pick(1024, 256), depth=2,
+                                               batch_size=pick(512, 64))}, repeats=pick(7, 3)),
+              ["model", "params", "ms_per_op", "serial_s", "threads_s", "speedup"],
+              title="2 replicas: Python threads vs a serial loop (torch uses 1 thread)")
+
+
+if __name__ == "__main__":
+    main()
