@@ -1,0 +1,175 @@
+"""Tests of lab 06's non-exercise parts (labs/lab06_pipeline.py): GPipe schedule, schedule checks,
+the unit-time simulator, bubble and memory accounting, the Gantt chart, model sharding, and the
+lab end to end on 2 ranks in smoke mode (training equal to single process, timelines recorded in
+schedule order, activations held by GPipe vs 1F1B). The end-to-end run uses the solutions.
+"""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+
+from helpers.launch import launch
+from labs import lab06_pipeline as lab
+
+F, B = "F", "B"
+
+
+# ----------------------------------------------------------------------------------- schedules
+def test_gpipe_schedule_exact():
+    assert lab.gpipe_schedule(2, 3) == [[(F, 0), (F, 1), (F, 2), (B, 0), (B, 1), (B, 2)]] * 2
+    assert lab.gpipe_schedule(1, 1) == [[(F, 0), (B, 0)]]
+    for make in (lab.gpipe_schedule, lab.one_f_one_b_schedule):   # checked before any exercise code
+        with pytest.raises(ValueError):
+            make(0, 1)
+        with pytest.raises(ValueError):
+            make(2, 0)
+    with pytest.raises(ValueError):
+        lab.make_schedule("Zero Bubble", 2, 2)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+def test_gpipe_bubble_matches_formula(num_stages):
+    for m in range(1, 9):
+        schedule = lab.gpipe_schedule(num_stages, m)
+        lab.validate_schedule(schedule, m)
+        assert lab.peak_in_flight(schedule) == [m] * num_stages
+        for backward_time in (1.0, 2.0):  # the formula does not depend on the F/B ratio
+            timeline = lab.simulate_schedule(schedule, 1.0, backward_time)
+            makespan = max(a.end for stage in timeline for a in stage)
+            assert makespan == pytest.approx((m + num_stages - 1) * (1.0 + backward_time))
+            assert lab.bubble_fraction(timeline) == pytest.approx(lab.bubble_formula(num_stages, m))
+
+
+BAD_SCHEDULES = {
+    "missing backward": ([[(F, 0), (F, 1), (B, 0)]], 2),
+    "duplicate forward": ([[(F, 0), (F, 0), (B, 0)]], 1),
+    "unknown kind": ([[(F, 0), ("W", 0), (B, 0)]], 1),
+    "micro-batch out of range": ([[(F, 0), (B, 0), (F, 2), (B, 2)]], 2),
+    "backward before forward": ([[(B, 0), (F, 0)]], 1),
+    "neighbours in different orders": ([[(F, 0), (F, 1), (B, 0), (B, 1)],
+                                        [(F, 1), (F, 0), (B, 0), (B, 1)]], 2),
+    "circular wait": ([[(F, 0), (B, 0), (F, 1), (B, 1)],       # stage 0's B0 needs stage 1's B0,
+                       [(F, 0), (F, 1), (B, 0), (B, 1)]], 2),  # which comes after F1 <- stage 0
+    "no stages": ([], 1),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCHEDULES))
+def test_validate_schedule_rejects(case):
+    schedule, m = BAD_SCHEDULES[case]
+    with pytest.raises(ValueError):
+        lab.validate_schedule(schedule, m)
+
+
+def test_simulator_detects_deadlock_and_respects_dependencies():
+    with pytest.raises(lab.ScheduleDeadlock, match="stage 0 waits"):
+        lab.simulate_schedule(BAD_SCHEDULES["circular wait"][0])
+    timeline = lab.simulate_schedule(lab.gpipe_schedule(3, 4), 1.0, 2.0)
+    ends = {(a.kind, a.stage, a.microbatch): a.end for stage in timeline for a in stage}
+    for stage in timeline:
+        for before, after in zip(stage, stage[1:]):
+            assert after.start >= before.end          # one action at a time per stage
+        for a in stage:
+            for dep in lab._dependencies(a.kind, a.stage, a.microbatch, 3):
+                assert a.start >= ends[dep]
+    # the first forward of the last stage waits for the two stages before it
+    assert timeline[2][0].start == 2.0
+
+
+def test_bubble_fraction_of_a_hand_timeline():
+    T = lab.TimedAction
+    timeline = [[T(0, F, 0, 0.0, 1.0), T(0, B, 0, 3.0, 4.0)],
+                [T(1, F, 0, 1.0, 2.0), T(1, B, 0, 2.0, 3.0)]]
+    assert lab.bubble_fraction(timeline) == pytest.approx(0.5)   # 4 busy of 2 stages x 4
+    assert lab.bubble_formula(2, 1) == pytest.approx(0.5)
+    assert lab.bubble_formula(4, 8) == pytest.approx(3 / 11)
+
+
+def test_explorer_and_gantt_chart():
+    result = lab.explore_schedule(3, 4, "1F1B", backward_time=2.0)
+    assert result["bubble"] == pytest.approx(lab.bubble_formula(3, 4))
+    assert result["peak_in_flight"] == [3, 2, 1]
+    assert result["makespan"] == pytest.approx(6 * 3.0)
+    ax = lab.plot_gantt(result["timeline"], title="1F1B, p=3, m=4")
+    assert len(ax.patches) == 2 * 3 * 4   # one bar per action
+    assert ax.get_title() == "1F1B, p=3, m=4" and "time" in ax.get_xlabel()
+    import matplotlib.pyplot as plt
+    plt.close(ax.figure)
+
+
+# -------------------------------------------------------------------------------- model pieces
+def test_stage_split_and_sharded_model_match_whole_model():
+    config = lab.PipeConfig(width=8, num_blocks=4, microbatch_size=2, num_microbatches=2)
+    assert lab.stage_block_ids(config, 2, 0) == [0, 1]
+    assert lab.stage_block_ids(config, 2, 1) == [2, 3, 4]      # + the classifier head
+    with pytest.raises(ValueError):
+        lab.stage_block_ids(config, 3, 0)
+    whole = lab.build_full_model(config).state_dict()
+    for stage in range(2):
+        for name, tensor in lab.build_stage_module(config, 2, stage).state_dict().items():
+            assert torch.equal(tensor, whole[name])
+    check = lab.sharded_gradient_check(config)
+    assert check["loss_diff"] < 1e-6 and check["max_grad_diff"] < 1e-6
+    assert len(check["devices"]) == 2
+
+
+def test_forward_step_counts_activations_not_weights():
+    config = lab.PipeConfig(width=8, num_blocks=2, microbatch_size=4, num_microbatches=2)
+    module = lab.build_stage_module(config, 2, 0)                 # Linear + ReLU, one block
+    executor = lab.StageExecutor(module, stage=0, num_stages=2, boundary_shape=(4, 8),
+                                 device=torch.device("cpu"))
+    executor.forward_step(0, torch.randn(4, 8))
+    executor.forward_step(1, torch.randn(4, 8))
+    # Linear keeps its (4, 8) input, ReLU its (4, 8) output: 2 * 32 floats per micro-batch
+    assert executor.stash_bytes == {0: 2 * 32 * 4, 1: 2 * 32 * 4}
+    assert (executor.peak_held, executor.peak_held_bytes) == (2, 2 * 2 * 32 * 4)
+
+
+# --------------------------------------------------------------------------- the lab, 2 ranks
+@pytest.fixture(scope="module")
+def lab_run():
+    return launch("labs/lab06_pipeline.py", nproc=2, timeout=240, stream=False,
+                  env={"COURSE_SMOKE": "1", "DIST_TIMEOUT": "30"})
+
+
+def test_lab_training_equals_single_process(lab_run):
+    reference = lab_run.results[1]["reference_losses"]
+    names = set()
+    for rank in (0, 1):
+        for name in lab.SCHEDULES:
+            check = lab_run.results[rank]["check"][name]
+            assert check["max_grad_diff"] < 1e-6 and check["max_param_diff"] < 1e-6, (rank, name)
+            names |= set(check["param_names"])
+    assert names == set(lab.build_full_model(lab.CHECK_CONFIG).state_dict())   # all checked
+    for name in lab.SCHEDULES:
+        losses = lab_run.results[1]["check"][name]["losses"]
+        assert losses == pytest.approx(reference, rel=1e-5)
+
+
+def test_lab_timelines_follow_the_schedule(lab_run):
+    measured = lab_run.results[0]["measured"]
+    assert set(measured) == {f"{n}/m={m}" for n in lab.SCHEDULES for m in (1, 2, 4)}
+    for key, result in measured.items():
+        name, m = key.split("/m=")
+        schedule = lab.make_schedule(name, 2, int(m))
+        timeline = lab.timeline_from_report(result["timeline"])
+        for stage, actions in enumerate(timeline):
+            assert [(a.kind, a.microbatch) for a in actions] == schedule[stage]
+            assert all(a.end >= a.start for a in actions)
+        assert 0.0 <= result["bubble"] < 1.0
+        assert result["bubble"] == pytest.approx(lab.bubble_fraction(timeline))
+
+
+def test_lab_activations_held_gpipe_vs_1f1b(lab_run):
+    for rank in (0, 1):
+        measured = lab_run.results[rank]["measured"]
+        for m in (1, 2, 4):
+            gpipe, one_f = measured[f"GPipe/m={m}"], measured[f"1F1B/m={m}"]
+            assert gpipe["peak_held"] == m
+            assert one_f["peak_held"] == min(2 - rank, m)
+            per_microbatch = gpipe["peak_held_bytes"] / m
+            assert one_f["peak_held_bytes"] == pytest.approx(per_microbatch * one_f["peak_held"])
