@@ -545,25 +545,6 @@ class StageExecutor:
                           self.peak_held_bytes)
 
 
-def exercise_status() -> dict[str, bool]:
-    """Which exercises are implemented, so the notebook runs what it can and says what it skips."""
-    status = {}
-    try:
-        one_f_one_b_schedule(1, 1)
-        status["one_f_one_b_schedule"] = True
-    except NotImplementedError:
-        status["one_f_one_b_schedule"] = False
-    executor = StageExecutor(nn.Linear(2, 2), stage=0, num_stages=1, boundary_shape=(1, 2),
-                             device=torch.device("cpu"), loss_fn=lambda out, _: out.sum())
-    executor.forward_step(0, torch.ones(1, 2))
-    try:
-        executor.backward_step(0, None)
-        status["StageExecutor.backward_step"] = True
-    except NotImplementedError:
-        status["StageExecutor.backward_step"] = False
-    return status
-
-
 # ------------------------------------------------------------------- training and measurements
 def _executor(config: PipeConfig, rank: int, world_size: int, device: torch.device, group):
     if world_size > 1:  # nccl: the first batched send/recv of a group must involve every rank
