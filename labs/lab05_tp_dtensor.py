@@ -1,0 +1,98 @@
+"""Lab 05 (part 3): the same MLP split by PyTorch's own tensor parallelism (DTensor), against ours.
+
+Run:  ./run.sh 05      (or: ./run.sh labs/lab05_tp_dtensor.py)
+
+`torch.distributed.tensor.parallel.parallelize_module` takes a plain module, a DeviceMesh and a
+plan naming a style per submodule. ColwiseParallel shards a Linear's weight and bias along dim 0
+(Shard(0)) and leaves its output split; RowwiseParallel shards the weight along dim 1 (Shard(1)),
+replicates the bias and all-reduces the output: the Megatron pairing, with parameters that are
+DTensors (a local shard plus its placement on the mesh). The mesh is built for ctx.device.type,
+so the same code runs on CPU/gloo and CUDA/nccl.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from helpers import pick
+from helpers.dist import DistContext, distributed
+from helpers.show import table
+from labs.lab05_tensor_parallel import dense_mlp, megatron_mlp, sample_batch
+
+PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+
+def dtensor_mlp(dense: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """A copy of `dense` with fc1 column-wise and fc2 row-wise parallel, the DTensor way."""
+    return parallelize_module(copy.deepcopy(dense), mesh, PLAN)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds: a DTensor's local tensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def compare_with_ours(ctx: DistContext, batch: int, seq: int, d_model: int, d_ff: int, *,
+                      steps: int, dtype=torch.float32) -> dict:
+    """Our Megatron MLP and the DTensor one, same data: max |difference| of outputs, input grads,
+    every parameter's local gradient (first step) and local parameters after `steps` SGD steps."""
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    dense = dense_mlp(d_model, d_ff, dtype=dtype, device=ctx.device)
+    ours, theirs = megatron_mlp(dense), dtensor_mlp(dense, mesh)
+    x, target = sample_batch(batch, seq, d_model, seed=2, dtype=dtype, device=ctx.device)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    diffs = {"grads": {}, "params_after_steps": {}}
+    for step in range(steps):
+        ys, xgrads = [], []
+        for model, opt in zip((ours, theirs), opts):
+            xi = x.detach().clone().requires_grad_(True)
+            opt.zero_grad()
+            y = model(xi)  # DTensor's RowwiseParallel hands back a plain (replicated) tensor
+            F.mse_loss(y, target).backward()
+            ys.append(y.detach())
+            xgrads.append(xi.grad)
+        if step == 0:
+            diffs["output"] = (ys[0] - ys[1]).abs().max().item()
+            diffs["input_grad"] = (xgrads[0] - xgrads[1]).abs().max().item()
+            for (name, mine), theirs_p in zip(ours.named_parameters(), theirs.parameters()):
+                diffs["grads"][name] = (mine.grad - local(theirs_p.grad)).abs().max().item()
+        for opt in opts:
+            opt.step()
+    for (name, mine), theirs_p in zip(ours.named_parameters(), theirs.parameters()):
+        diffs["params_after_steps"][name] = (mine.detach() - local(theirs_p.detach())).abs().max().item()
+    diffs["placements"] = {name: [repr(pl) for pl in p.placements] for name, p in theirs.named_parameters()}
+    diffs["local_shapes"] = {name: list(local(p).shape) for name, p in theirs.named_parameters()}
+    diffs["our_shapes"] = {name: list(p.shape) for name, p in ours.named_parameters()}
+    values = [diffs["output"], diffs["input_grad"], *diffs["grads"].values(),
+              *diffs["params_after_steps"].values()]
+    diffs["worst"] = max(values)
+    return diffs
+
+
+def run(ctx: DistContext, steps: int = 3, dtype=torch.float32) -> dict:
+    return compare_with_ours(ctx, batch=pick(4, 2), seq=pick(32, 8), d_model=pick(96, 24),
+                             d_ff=pick(384, 96), steps=steps, dtype=dtype)
+
+
+def main() -> None:
+    with distributed() as ctx:
+        result = run(ctx)
+        if ctx.rank == 0:
+            table([{"parameter": name, "DTensor placement": ", ".join(result["placements"][name]),
+                    "its local shape": result["local_shapes"][name], "our shape": result["our_shapes"][name],
+                    "max |grad diff|": result["grads"][name],
+                    "max |param diff| after steps": result["params_after_steps"][name]}
+                   for name in result["placements"]], title="parallelize_module vs our layers")
+        ctx.print0(f"outputs differ by {result['output']:.2e}, input grads by {result['input_grad']:.2e}")
+        if result["worst"] > 1e-4:
+            raise RuntimeError(f"DTensor and our layers differ by {result['worst']:.2e}")
+        ctx.report(**result)
+
+
+if __name__ == "__main__":
+    main()

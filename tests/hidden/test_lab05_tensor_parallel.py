@@ -1,0 +1,179 @@
+"""Hidden tests of lab 05's exercises (instructor only): 3 ranks, sizes whose chunks are odd,
+non-contiguous inputs, more SGD steps, the exact collectives each backward issues, a process
+group that is not the world (ranks {0, 1} and {2} as two separate tensor-parallel groups), and a
+Transformer block with attention heads split across ranks.
+
+One launch on 3 ranks runs every case (this file is also the worker); float64, TOL = 1e-9 (a
+correct implementation differs by summation order, ~1e-15).
+"""
+from __future__ import annotations
+
+import traceback
+
+import pytest
+
+from helpers.launch import launch
+
+TOL = 1e-9
+NPROC = 3
+BATCH, SEQ, D_MODEL, D_FF, STEPS = 3, 5, 6, 21, 5   # d_ff / 3 = 7 columns per rank
+SUBGROUP_D_FF = 14                                  # split over the groups {0, 1} and {2}
+HEADS, HEAD_DIM, BLOCK_FF = 6, 2, 12                # 2 heads per rank
+
+
+@pytest.fixture(scope="module")
+def results():
+    res = launch(__file__, "hidden", nproc=NPROC, timeout=240, stream=False, env={"DIST_TIMEOUT": "30"})
+    return res.results
+
+
+def case(results, name):
+    reports = [results[rank][name] for rank in range(NPROC)]
+    for rank, rep in enumerate(reports):
+        if "error" in rep:  # "rank R raised <last line>", as helpers.launch words a failed rank
+            last = rep["error"].strip().splitlines()[-1]
+            pytest.fail(f"rank {rank} raised {last}\n(case {name!r}; traceback below)\n{rep['error']}")
+    return reports
+
+
+def assert_matches_dense(reports, what):
+    for rank, rep in enumerate(reports):
+        d = rep["diffs"]
+        assert d["output"] < TOL, f"{what}, rank {rank}: output off by {d['output']:.2e}"
+        assert d["input_grad"] < TOL, f"{what}, rank {rank}: input gradient off by {d['input_grad']:.2e}"
+        for name, diff in {**d["grads"], **{f"{k} after steps": v for k, v in d["params_after_steps"].items()}}.items():
+            assert diff < TOL, f"{what}, rank {rank}: {name} off by {diff:.2e}"
+
+
+@pytest.mark.exercise("f_g_backward")
+@pytest.mark.points(2)
+def test_megatron_mlp_three_ranks_odd_chunks(results):
+    reports = case(results, "megatron")
+    assert_matches_dense(reports, "Megatron MLP, 3 ranks, non-contiguous input")
+    shape = [SEQ, BATCH, D_MODEL]  # the input was transposed
+    for rep in reports:
+        assert rep["calls"] == [["forward", "all_reduce", shape], ["backward", "all_reduce", shape]], (
+            f"one all-reduce forward (g), one backward (f), nothing else; got {rep['calls']}")
+
+
+@pytest.mark.exercise("gather_backward")
+@pytest.mark.points(2)
+def test_allgather_mlp_three_ranks(results):
+    reports = case(results, "allgather")
+    assert_matches_dense(reports, "all-gather MLP, 3 ranks")
+    for rep in reports:
+        assert rep["calls"] == [["forward", "all_gather", [SEQ, BATCH, D_FF]],
+                                ["forward", "all_gather", [SEQ, BATCH, D_MODEL]],
+                                ["backward", "all_reduce", [SEQ, BATCH, D_FF]],
+                                ["backward", "all_reduce", [SEQ, BATCH, D_MODEL]]], rep["calls"]
+
+
+@pytest.mark.exercise("f_g_backward")
+@pytest.mark.points(2)
+def test_backward_uses_the_layers_group(results):
+    """Ranks {0, 1} form one tensor-parallel group and {2} another; an all-reduce over the world
+    instead of ctx.group mixes the two models' gradients."""
+    reports = case(results, "subgroup_megatron")
+    assert [rep["group_size"] for rep in reports] == [2, 2, 1]
+    assert_matches_dense(reports, "Megatron MLP on a sub-group")
+
+
+@pytest.mark.exercise("gather_backward")
+def test_gather_backward_uses_the_rank_in_the_group(results):
+    reports = case(results, "subgroup_allgather")
+    assert_matches_dense(reports, "all-gather MLP on a sub-group")
+
+
+@pytest.mark.exercise("gather_backward")
+def test_gather_backward_middle_rank(results):
+    for rank, rep in enumerate(case(results, "gather")):
+        assert rep["grad_diff"] < TOL, f"rank {rank}: dL/dx is not chunk {rank} of dL/dy"
+        assert rep["calls"] == [["forward", "all_gather", [2, 4, 9]]], rep["calls"]
+
+
+@pytest.mark.exercise("f_g_backward")
+@pytest.mark.points(2)
+def test_transformer_block_trains_like_dense(results):
+    reports = case(results, "block")
+    assert_matches_dense(reports, "Transformer block (2 heads per rank)")
+    for rep in reports:
+        assert [c[:2] for c in rep["calls"]] == [["forward", "all_reduce"]] * 2 + [["backward", "all_reduce"]] * 2
+        losses_dense, losses_tp = rep["diffs"]["losses_dense"], rep["diffs"]["losses_parallel"]
+        assert max(abs(a - b) for a, b in zip(losses_dense, losses_tp)) < TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker
+# ----------------------------------------------------------------------------------------------
+
+
+def worker_cases(ctx) -> dict:
+    import torch
+    import torch.distributed as dist
+    import labs.lab05_tensor_parallel as lab
+    import labs.lab05_tp_transformer as block_lab
+
+    dtype = torch.float64
+    # every rank must create every group, in the same order
+    groups = [dist.new_group([0, 1]), dist.new_group([2])]
+    my_group = groups[0] if ctx.rank < 2 else groups[1]
+
+    def transposed_batch(seed):  # [SEQ, BATCH, D]: a non-contiguous view
+        x, target = lab.sample_batch(BATCH, SEQ, D_MODEL, seed=seed, dtype=dtype, device=ctx.device)
+        return x.transpose(0, 1), target.transpose(0, 1)
+
+    def mlp_case(scheme, group, d_ff=D_FF):
+        log = lab.CommLog()
+        parallel = lab.SCHEMES[scheme](lab.dense_mlp(D_MODEL, d_ff, seed=4, dtype=dtype, device=ctx.device),
+                                       group, log)
+        x, target = transposed_batch(5)
+        calls = lab.count_collectives(parallel, log, x)
+        diffs = lab.compare_training(lab.dense_mlp(D_MODEL, d_ff, seed=4, dtype=dtype, device=ctx.device),
+                                     parallel, x, target, steps=STEPS)
+        return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls],
+                "group_size": dist.get_world_size(group)}
+
+    def gather_case():
+        log = lab.CommLog()
+        gen = torch.Generator().manual_seed(6)
+        full = torch.randn(4, 2, 9, generator=gen, dtype=dtype)           # [S, B, d]
+        upstream = torch.randn(2, 4, 9, generator=gen, dtype=dtype)
+        x = full.chunk(3, dim=-1)[ctx.rank].transpose(0, 1).to(ctx.device).requires_grad_(True)
+        y = lab.gather_from_tp_region(x, None, log)                       # [B, S, 9]
+        log.phase = "backward"
+        (y * upstream.to(ctx.device)).sum().backward()
+        mine = upstream.chunk(3, dim=-1)[ctx.rank]
+        return {"grad_diff": (x.grad.cpu() - mine).abs().max().item(), "calls": log.summary()}
+
+    def block_case():
+        log = lab.CommLog()
+        dense = block_lab.dense_block(HEADS * HEAD_DIM, HEADS, BLOCK_FF, seed=7, dtype=dtype, device=ctx.device)
+        parallel = block_lab.tensor_parallel_block(dense, None, log)
+        x, target = lab.sample_batch(2, 4, HEADS * HEAD_DIM, seed=8, dtype=dtype, device=ctx.device)
+        calls = lab.count_collectives(parallel, log, x)
+        diffs = lab.compare_training(dense, parallel, x, target, steps=STEPS, lr=0.1)
+        return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls]}
+
+    cases = {
+        "megatron": lambda: mlp_case("megatron", None),
+        "allgather": lambda: mlp_case("allgather", None),
+        "subgroup_megatron": lambda: mlp_case("megatron", my_group, SUBGROUP_D_FF),
+        "subgroup_allgather": lambda: mlp_case("allgather", my_group, SUBGROUP_D_FF),
+        "gather": gather_case,
+        "block": block_case,
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            out[name] = fn()
+        except Exception:
+            out[name] = {"error": traceback.format_exc(limit=-3)}
+        dist.barrier()  # a rank that failed early waits here instead of running ahead
+    return out
+
+
+if __name__ == "__main__":
+    from helpers.dist import distributed
+
+    with distributed() as ctx:
+        ctx.report(**worker_cases(ctx))
