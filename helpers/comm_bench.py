@@ -1,0 +1,415 @@
+"""Communication, measured: bytes counted per message, and bandwidth timed as NCCL reports it.
+
+Two tools, used by notebook 04 and its labs and tests:
+
+- `count_p2p()`: a context manager that records every point-to-point message this process sends
+  or receives (peer and bytes) and makes every built-in collective raise `CollectiveUsed`, so a
+  hand-written all-reduce can be checked for the traffic it generates and for not calling one.
+- `sweep()`: times collectives over message sizes (warm-up, synchronize, barrier, median of
+  several runs, the slowest rank's time) and reports algorithm and bus bandwidth as nccl-tests
+  defines them (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md):
+
+      algbw = S / t               S: the collective's size in bytes (see SIZE CONVENTION below)
+      busbw = algbw * factor      factor: 2(n-1)/n all-reduce, (n-1)/n all-gather and
+                                  reduce-scatter, 1 broadcast (n ranks)
+
+  busbw is the rate each rank's link must carry for a bandwidth-optimal (ring) algorithm to
+  finish in time t; it does not depend on n, so it can be compared with the hardware's link speed.
+  `side_by_side()` races a few cases at one size in alternating rounds (fair ratios on a noisy
+  machine); `fit_latency_bandwidth()` fits t(S) = latency + S / bandwidth; `machine_limit()` measures what
+  one process can copy (local memory on the CPU; on GPUs the device copy, and the GPU-to-GPU copy
+  when there are two).
+
+SIZE CONVENTION (as nccl-tests): all-reduce and broadcast: the tensor; all-gather: the gathered
+output (n times each rank's input); reduce-scatter: the input (n times each rank's output).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from helpers.bench import measure
+from helpers.dist import gpu_count, synchronize
+
+KiB = 1024
+MiB = 1024 * 1024
+
+# all_gather_into_tensor / reduce_scatter_tensor were renamed *_single in torch 2.13 (the old names
+# warn); torch 2.11 only has the old ones. Take whichever this torch has.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ----------------------------------------------------------------------------- bus bandwidth
+BUS_FACTORS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def bus_factor(kind: str, world_size: int) -> float:
+    """busbw / algbw for a collective of this kind on `world_size` ranks (nccl-tests' factors)."""
+    if kind not in BUS_FACTORS:
+        raise ValueError(f"unknown collective kind {kind!r}; known: {sorted(BUS_FACTORS)}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return BUS_FACTORS[kind](world_size)
+
+
+def algbw(size_bytes: float, seconds: float) -> float:
+    """Algorithm bandwidth in bytes/s: the collective's size over its time."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds}")
+    return size_bytes / seconds
+
+
+def busbw(kind: str, size_bytes: float, seconds: float, world_size: int) -> float:
+    """Bus bandwidth in bytes/s: algbw times the kind's factor."""
+    return algbw(size_bytes, seconds) * bus_factor(kind, world_size)
+
+
+def lecture_bandwidth(sent_bytes_all_ranks: float, world_size: int, seconds: float) -> float:
+    """The lecture's `sent_bytes / (world_size * duration)`: bytes sent per rank per second,
+    averaged over ranks, for the bytes some algorithm actually (or supposedly) sent."""
+    return sent_bytes_all_ranks / (world_size * seconds)
+
+
+# ----------------------------------------------------------------------------- counting bytes
+class CollectiveUsed(RuntimeError):
+    """Raised inside `count_p2p()` when code calls a built-in collective."""
+
+
+@dataclass(frozen=True)
+class Message:
+    direction: str          # "send" or "recv"
+    peer: int | None        # the other end, as a rank of the group used (None: any source)
+    global_peer: int | None  # the same rank in the default group
+    nbytes: int
+    group_rank: int         # this process's rank in that group
+    group_size: int
+
+
+@dataclass
+class Traffic:
+    """Every point-to-point message one process sent or received inside `count_p2p()`."""
+    messages: list[Message] = field(default_factory=list)
+
+    def _of(self, direction: str) -> list[Message]:
+        return [m for m in self.messages if m.direction == direction]
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(m.nbytes for m in self._of("send"))
+
+    @property
+    def recv_bytes(self) -> int:
+        return sum(m.nbytes for m in self._of("recv"))
+
+    @property
+    def sends(self) -> int:
+        return len(self._of("send"))
+
+    @property
+    def recvs(self) -> int:
+        return len(self._of("recv"))
+
+    @property
+    def send_peers(self) -> list[int | None]:
+        return sorted({m.peer for m in self._of("send")}, key=lambda p: -1 if p is None else p)
+
+    @property
+    def recv_peers(self) -> list[int | None]:
+        return sorted({m.peer for m in self._of("recv")}, key=lambda p: -1 if p is None else p)
+
+    def summary(self) -> dict:
+        return {"sent_bytes": self.sent_bytes, "recv_bytes": self.recv_bytes, "sends": self.sends,
+                "recvs": self.recvs, "send_peers": self.send_peers, "recv_peers": self.recv_peers}
+
+
+# ProcessGroup methods behind every built-in collective (dist.all_reduce calls group.allreduce,
+# and so on); those this torch lacks are skipped.
+COLLECTIVE_METHODS = (
+    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "alltoall",
+    "alltoall_base", "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier",
+    "monitored_barrier",
+)
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _global_rank(group, group_rank: int) -> int | None:
+    try:
+        return dist.get_global_rank(group, group_rank)
+    except (RuntimeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def count_p2p(forbid_collectives: bool = True) -> Iterator[Traffic]:
+    """Record this process's point-to-point messages; optionally make collectives raise.
+
+    Every route to point-to-point (send, recv, isend, irecv, batch_isend_irecv, on any group and
+    backend) ends in `ProcessGroup.send / recv / recv_anysource`, so those are wrapped on the class
+    for the duration of the block and restored after. The messages really go out: this counts,
+    it does not fake. Not thread-safe against other code using torch.distributed meanwhile.
+    """
+    pg_class = dist.ProcessGroup
+    traffic = Traffic()
+    saved = {}  # the raw class attributes, put back as they were
+
+    def wrap(name, make):
+        if name not in pg_class.__dict__:
+            raise RuntimeError(f"count_p2p: torch {torch.__version__} has no ProcessGroup.{name} "
+                               "to wrap; byte counting needs updating for this version")
+        saved[name] = pg_class.__dict__[name]
+        setattr(pg_class, name, make(getattr(pg_class, name)))
+
+    def make_send(original):
+        def send(self, tensors, dst, tag=0):
+            traffic.messages.append(Message("send", dst, _global_rank(self, dst), _nbytes(tensors),
+                                            self.rank(), self.size()))
+            return original(self, tensors, dst, tag)
+        return send
+
+    def make_recv(original):
+        def recv(self, tensors, src, tag=0):
+            traffic.messages.append(Message("recv", src, _global_rank(self, src), _nbytes(tensors),
+                                            self.rank(), self.size()))
+            return original(self, tensors, src, tag)
+        return recv
+
+    def make_recv_anysource(original):
+        def recv_anysource(self, tensors, tag=0):
+            traffic.messages.append(Message("recv", None, None, _nbytes(tensors), self.rank(),
+                                            self.size()))
+            return original(self, tensors, tag)
+        return recv_anysource
+
+    def make_forbidden(name):
+        def make(_original):
+            def forbidden(self, *args, **kwargs):
+                raise CollectiveUsed(f"a built-in collective ({name}) was called inside count_p2p();"
+                                     " only point-to-point operations are allowed here")
+            return forbidden
+        return make
+
+    try:
+        wrap("send", make_send)
+        wrap("recv", make_recv)
+        wrap("recv_anysource", make_recv_anysource)
+        if forbid_collectives:
+            for name in COLLECTIVE_METHODS:
+                if name in pg_class.__dict__:
+                    wrap(name, make_forbidden(name))
+        yield traffic
+    finally:
+        for name, raw in saved.items():
+            setattr(pg_class, name, raw)
+
+
+# ----------------------------------------------------------------------------- timing sweep
+@dataclass(frozen=True)
+class Case:
+    """One thing to time: `build(numel, device, group)` allocates buffers once and returns
+    (op, size_bytes) where op() runs the collective once and size_bytes follows nccl-tests."""
+    name: str
+    kind: str  # a key of BUS_FACTORS
+    build: Callable[[int, torch.device, object], tuple[Callable[[], object], int]]
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _build_all_reduce(numel, device, group):
+    # zeros: repeated sums stay finite, and adding zeros costs the same as adding anything else
+    x = torch.zeros(numel, device=device)
+    return (lambda: dist.all_reduce(x, group=group)), x.numel() * x.element_size()
+
+
+def _build_all_gather(numel, device, group):
+    n = _world(group)
+    per_rank = max(1, numel // n)
+    inp = torch.zeros(per_rank, device=device)
+    out = torch.empty(per_rank * n, device=device)
+    return (lambda: all_gather_single(out, inp, group=group)), out.numel() * out.element_size()
+
+
+def _build_reduce_scatter(numel, device, group):
+    n = _world(group)
+    per_rank = max(1, numel // n)
+    inp = torch.zeros(per_rank * n, device=device)
+    out = torch.empty(per_rank, device=device)
+    return (lambda: reduce_scatter_single(out, inp, group=group)), inp.numel() * inp.element_size()
+
+
+def _build_broadcast(numel, device, group):
+    x = torch.zeros(numel, device=device)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    return (lambda: dist.broadcast(x, src=src, group=group)), x.numel() * x.element_size()
+
+
+BUILTIN_CASES = (
+    Case("all_reduce", "all_reduce", _build_all_reduce),
+    Case("all_gather", "all_gather", _build_all_gather),
+    Case("reduce_scatter", "reduce_scatter", _build_reduce_scatter),
+    Case("broadcast", "broadcast", _build_broadcast),
+)
+
+
+def all_reduce_case(name: str, fn: Callable[..., object]) -> Case:
+    """A Case for a hand-written all-reduce `fn(tensor, group=group)` (e.g. our ring)."""
+    def build(numel, device, group):
+        x = torch.zeros(numel, device=device)
+        return (lambda: fn(x, group=group)), x.numel() * x.element_size()
+    return Case(name, "all_reduce", build)
+
+
+def default_sizes(smoke: bool) -> list[int]:
+    """Bytes per collective: 4 KiB .. 64 MiB by factors of 4 (smoke: 4 KiB, 256 KiB, 16 MiB)."""
+    if smoke:
+        return [4 * KiB, 256 * KiB, 16 * MiB]
+    return [4 * KiB * 4 ** i for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
+
+
+def calls_per_sample(size_bytes: int, target_bytes: int = 4 * MiB, most: int = 50) -> int:
+    """Small messages take microseconds, below the clock's noise: time a batch of calls per
+    sample (nccl-tests does the same). Depends only on the size, so every rank agrees."""
+    return max(1, min(most, target_bytes // max(1, size_bytes)))
+
+
+def slowest(seconds: float, device: torch.device, group=None) -> float:
+    """The largest of every rank's value: a collective finishes when its slowest rank does."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def time_case(case: Case, size_bytes: int, *, device: torch.device, group=None, warmup: int = 2,
+              repeats: int = 5, element_size: int = 4) -> dict:
+    """Median seconds per call of `case` at about `size_bytes` (the slowest rank's median)."""
+    op, actual_bytes = case.build(max(1, size_bytes // element_size), torch.device(device), group)
+    calls = calls_per_sample(actual_bytes)
+
+    def batch():
+        for _ in range(calls):
+            op()
+
+    timing = measure(batch, warmup=warmup, repeats=repeats, device=device, barrier=True)
+    seconds = slowest(timing.median / calls, torch.device(device), group)
+    n = _world(group)
+    return {"op": case.name, "kind": case.kind, "bytes": actual_bytes, "seconds": seconds,
+            "algbw_GBps": algbw(actual_bytes, seconds) / 1e9,
+            "busbw_GBps": busbw(case.kind, actual_bytes, seconds, n) / 1e9,
+            "calls_per_sample": calls, "repeats": repeats}
+
+
+def sweep(cases: Sequence[Case], sizes: Sequence[int], *, device: torch.device, group=None,
+          warmup: int = 2, repeats: int = 5) -> list[dict]:
+    """Rows of `time_case` for every size and case. Cases alternate within a size, so a burst of
+    noise on a shared machine hits all of them rather than one."""
+    rows = []
+    for size in sizes:
+        for case in cases:
+            rows.append(time_case(case, size, device=device, group=group, warmup=warmup,
+                                  repeats=repeats))
+    return rows
+
+
+def side_by_side(cases: Sequence[Case], size_bytes: int, *, device: torch.device, group=None,
+                 rounds: int = 7, warmup: int = 2) -> list[dict]:
+    """Time several cases at one size in alternating rounds (A B C, A B C, ...) and take each
+    one's median (the slowest rank's): drifting load on a shared machine then hits all of them
+    alike, so their ratio is fairer than two separate sweeps'."""
+    device = torch.device(device)
+    built = [case.build(max(1, size_bytes // 4), device, group) for case in cases]
+    calls = [calls_per_sample(nbytes) for _, nbytes in built]
+    samples: list[list[float]] = [[] for _ in cases]
+    for i in range(warmup + rounds):
+        for j, ((op, _), k) in enumerate(zip(built, calls)):
+            def batch(op=op, k=k):
+                for _ in range(k):
+                    op()
+            t = measure(batch, warmup=0, repeats=1, device=device, barrier=True).median / k
+            if i >= warmup:
+                samples[j].append(t)
+    n = _world(group)
+    rows = []
+    for case, (_, nbytes), times in zip(cases, built, samples):
+        seconds = slowest(sorted(times)[len(times) // 2], device, group)
+        rows.append({"op": case.name, "kind": case.kind, "bytes": nbytes, "seconds": seconds,
+                     "algbw_GBps": algbw(nbytes, seconds) / 1e9,
+                     "busbw_GBps": busbw(case.kind, nbytes, seconds, n) / 1e9, "rounds": rounds})
+    return rows
+
+
+# ----------------------------------------------------------------------------- model and limits
+def fit_latency_bandwidth(sizes_bytes: Sequence[float],
+                          seconds: Sequence[float]) -> tuple[float, float]:
+    """Fit t(S) = latency + S / bandwidth; return (latency_s, bandwidth_bytes_per_s).
+
+    Least squares on relative error (each equation divided by its measured t), so the
+    microsecond-scale small sizes count as much as the large ones; ordinary least squares would
+    let the largest size decide everything and leave the latency meaningless.
+    """
+    if len(sizes_bytes) != len(seconds) or len(sizes_bytes) < 2:
+        raise ValueError("need at least two (size, seconds) pairs of equal length")
+    s = torch.tensor(sizes_bytes, dtype=torch.float64)
+    t = torch.tensor(seconds, dtype=torch.float64)
+    if (t <= 0).any():
+        raise ValueError("seconds must be positive")
+    a = torch.stack([1 / t, s / t], dim=1)  # rows: (1 / t_i, S_i / t_i) . (latency, 1/bw) = 1
+    solution = torch.linalg.lstsq(a, torch.ones_like(t).unsqueeze(1)).solution.squeeze(1)
+    latency, inverse_bandwidth = solution.tolist()
+    if inverse_bandwidth <= 0:
+        raise ValueError("the fit gave a non-positive inverse bandwidth: times do not grow with size")
+    return latency, 1.0 / inverse_bandwidth
+
+
+def predict_seconds(size_bytes: float, latency_s: float, bandwidth_bytes_per_s: float) -> float:
+    return latency_s + size_bytes / bandwidth_bytes_per_s
+
+
+def machine_limit(device: torch.device | str, size_bytes: int = 64 * MiB,
+                  repeats: int = 5) -> list[dict]:
+    """What one process can move, measured here: the ceiling beside the collectives' busbw.
+
+    CPU: copying `size_bytes` from one preallocated buffer to another (gloo between processes on
+    one machine goes through the kernel's socket buffers: at least two such copies per byte).
+    CUDA: a copy within this GPU (its memory bandwidth), and when two GPUs are visible, a copy
+    from GPU 0 to GPU 1 (the interconnect: NVLink or PCIe; `nvidia-smi topo -m` says which).
+    Bandwidth is bytes copied per second (each byte is read once and written once).
+    """
+    device = torch.device(device)
+    numel = size_bytes // 4
+    rows = []
+
+    def copy_rate(src, dst, what):
+        t = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats, device=dst.device)
+        synchronize(src.device)
+        rows.append({"limit": what, "bytes": size_bytes, "seconds": t.median,
+                     "GBps": size_bytes / t.median / 1e9})
+
+    if device.type == "cuda":
+        src = torch.zeros(numel, device=device)
+        copy_rate(src, torch.empty_like(src), f"copy within {device} (GPU memory)")
+        if gpu_count() >= 2:
+            a = torch.zeros(numel, device="cuda:0")
+            copy_rate(a, torch.empty(numel, device="cuda:1"), "copy cuda:0 -> cuda:1 (interconnect)")
+    else:
+        src = torch.zeros(numel)
+        copy_rate(src, torch.empty_like(src), "local memory copy (one CPU process)")
+    return rows

@@ -1,0 +1,99 @@
+"""Lab 04 (bandwidth): how fast the collectives run here, reported as NCCL's benchmark does.
+
+Run:  ./run.sh 04      (this file alone: ./run.sh labs/lab04_bandwidth.py)
+
+For message sizes from 4 KiB to 64 MiB (smoke: three sizes) it times all-reduce, all-gather,
+reduce-scatter, broadcast and our ring all-reduce with helpers.comm_bench.sweep (warm-up,
+synchronize, barrier, median of several runs, the slowest rank's time), and reports algorithm
+bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for all-reduce, (n-1)/n for
+all-gather and reduce-scatter, 1 for broadcast; nccl-tests' definitions). It fits
+time = latency + size / bandwidth per operation, measures the machine's own limit (a memory copy
+on the CPU, the GPU's copies on GPUs), and races our ring against the backend's all-reduce at
+16 MiB in alternating rounds: the goal is a ring at 0.8x or more of its bus bandwidth.
+"""
+from __future__ import annotations
+
+from helpers import pick, smoke
+from helpers.comm_bench import (BUILTIN_CASES, MiB, all_reduce_case, default_sizes,
+                                fit_latency_bandwidth, machine_limit, side_by_side, sweep)
+from helpers.dist import DistContext, distributed
+from helpers.show import table
+from labs.lab04_collectives import ring_all_reduce, ring_implemented
+
+GOAL_SIZE = 16 * MiB
+GOAL_RATIO = 0.8  # our ring's busbw / the backend all-reduce's busbw, at GOAL_SIZE
+
+
+def fits_by_op(rows: list[dict]) -> dict[str, dict]:
+    """{op: {"latency_us", "bandwidth_GBps", "busbw_GBps"}} from a sweep's rows; None values
+    when the times did not grow with size (too few sizes, or a burst of noise)."""
+    out = {}
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = [r for r in rows if r["op"] == op]
+        try:
+            latency, bandwidth = fit_latency_bandwidth([r["bytes"] for r in mine],
+                                                       [r["seconds"] for r in mine])
+        except ValueError:
+            out[op] = {"latency_us": None, "bandwidth_GBps": None, "busbw_GBps": None}
+            continue
+        factor = mine[0]["busbw_GBps"] / mine[0]["algbw_GBps"]
+        out[op] = {"latency_us": latency * 1e6, "bandwidth_GBps": bandwidth / 1e9,
+                   "busbw_GBps": bandwidth * factor / 1e9}
+    return out
+
+
+def run(ctx: DistContext, sizes: list[int] | None = None, goal_size: int = GOAL_SIZE,
+        limit_size: int = 64 * MiB) -> dict:
+    """Sweep, fit, limit and race; report everything (ctx.report) and return it."""
+    implemented = ring_implemented(ctx.device)
+    ring = [all_reduce_case("ring (ours)", ring_all_reduce)] if implemented else []
+    sizes = default_sizes(smoke()) if sizes is None else sizes
+    rows = sweep([*BUILTIN_CASES, *ring], sizes, device=ctx.device, warmup=1, repeats=pick(5, 3))
+    race = side_by_side([BUILTIN_CASES[0], *ring], goal_size, device=ctx.device,
+                        rounds=pick(9, 5)) if implemented else []
+    limits = machine_limit(ctx.device, limit_size, repeats=pick(5, 3)) if ctx.rank == 0 else []
+    ctx.barrier()  # the others wait while rank 0 measures the limit alone
+    goal = None
+    if race:
+        ratio = race[1]["busbw_GBps"] / race[0]["busbw_GBps"]
+        goal = {"size_bytes": goal_size, "ratio": ratio, "target": GOAL_RATIO,
+                "met": ratio >= GOAL_RATIO, "world_size": ctx.world_size}
+    result = {"bench_rows": rows, "fits": fits_by_op(rows), "limits": limits, "race": race,
+              "goal": goal, "ring_implemented": implemented, "backend": ctx.backend}
+    ctx.report(**result)
+    return result
+
+
+def print_summary(result: dict) -> None:
+    rows = result["bench_rows"]
+    sizes = sorted({r["bytes"] for r in rows if r["op"] == "all_reduce"})
+    by_op = [{"op": op, **{_size(s): r["busbw_GBps"] for s in sizes for r in rows
+                           if r["op"] == op and abs(r["bytes"] - s) <= s // 2}}
+             for op in dict.fromkeys(r["op"] for r in rows)]
+    table(by_op, title=f"bus bandwidth, GB/s ({result['backend']})")
+    table([{"op": op, **fit} for op, fit in result["fits"].items()],
+          title="fit: time = latency + size / bandwidth")
+    for limit in result["limits"]:
+        print(f"machine limit: {limit['limit']}: {limit['GBps']:.2f} GB/s")
+    if not result["ring_implemented"]:
+        print("ring_all_reduce is not implemented yet (the homework): no ring in this run")
+    elif result["goal"]:
+        g = result["goal"]
+        print(f"ring vs built-in all_reduce at {g['size_bytes'] // MiB} MiB on {g['world_size']} "
+              f"ranks: {g['ratio']:.2f}x the bus bandwidth (goal >= {g['target']}x: "
+              f"{'met' if g['met'] else 'not met in this run'})")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
+
+
+def main() -> None:
+    with distributed() as ctx:
+        result = run(ctx)
+        if ctx.rank == 0:
+            print_summary(result)
+
+
+if __name__ == "__main__":
+    main()
