@@ -1,0 +1,126 @@
+"""Hidden tests of exercise `parallel_map`: edge cases and the systems property, that "thread"
+runs up to `workers` items at the same time in threads of this process and "process" in other
+processes. Barriers prove concurrency without timing anything: they only open when `workers`
+items wait at the same time (the timeouts are there so a wrong answer fails instead of hanging).
+"""
+import multiprocessing
+import operator
+import os
+import threading
+import time
+
+import pytest
+
+from labs.lab01_gil_threads import (
+    KINDS, io_work, matmul_work, parallel_map, python_work, tiny_ops_work, where_am_i,
+)
+
+pytestmark = pytest.mark.exercise("parallel_map")
+WAIT_S = 10  # barrier timeout: generous, only a broken solution reaches it
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_items_give_an_empty_list(kind):
+    assert parallel_map(python_work, [], 3, kind) == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_any_iterable_and_more_workers_than_items(kind):
+    items = ((seed, 500) for seed in range(3))  # a generator, consumed once
+    assert parallel_map(python_work, items, 8, kind) == [python_work((s, 500)) for s in range(3)]
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_torch_workloads_match_serial_exactly(kind):
+    # one intra-op thread per call makes every result bit-for-bit reproducible: tolerance 0
+    matmuls = [(seed, 2, 64) for seed in range(6)]
+    tiny = [(seed, 50) for seed in range(6)]
+    assert parallel_map(matmul_work, matmuls, 3, kind) == [matmul_work(i) for i in matmuls]
+    assert parallel_map(tiny_ops_work, tiny, 3, kind) == [tiny_ops_work(i) for i in tiny]
+
+
+def test_many_items_keep_their_order_in_processes():
+    items = [(seed, 10) for seed in range(500)]
+    assert parallel_map(python_work, items, 2, "process") == [python_work(i) for i in items]
+
+
+def test_order_kept_when_later_items_finish_first_in_processes():
+    items = [(seed, 0.3 - 0.1 * seed) for seed in range(3)]
+    assert parallel_map(io_work, items, 3, "process") == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_error_in_a_later_item_propagates_with_its_type(kind):
+    with pytest.raises(ValueError, match="invalid literal"):
+        parallel_map(int, ["1", "2", "3", "4", "5", "x"], 2, kind)
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, "2", None])
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_workers_raise_before_any_work(kind, workers):
+    calls = []
+    with pytest.raises(ValueError):
+        parallel_map(calls.append, [1, 2], workers, kind)
+    assert calls == []
+
+
+@pytest.mark.parametrize("kind", ["", "threads", "Process", None, "mpi"])
+def test_bad_kind_raises_before_any_work(kind):
+    calls = []
+    with pytest.raises(ValueError):
+        parallel_map(calls.append, [1, 2], 2, kind)
+    assert calls == []
+
+
+def test_serial_runs_in_this_thread():
+    here = (os.getpid(), threading.current_thread().name)
+    assert {tuple(r[1:]) for r in parallel_map(where_am_i, range(4), 2, "serial")} == {here}
+
+
+def test_threads_run_in_this_process_off_the_calling_thread():
+    results = parallel_map(where_am_i, range(6), 2, "thread")
+    assert [r[0] for r in results] == list(range(6))
+    assert {r[1] for r in results} == {os.getpid()}
+    assert threading.current_thread().name not in {r[2] for r in results}
+    assert len({r[2] for r in results}) <= 2
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_threads_run_workers_items_at_once_and_no_more(workers):
+    barrier = threading.Barrier(workers, timeout=WAIT_S)  # opens only when `workers` items wait
+    lock = threading.Lock()
+    running, peak = [0], [0]
+
+    def item_fn(item):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        barrier.wait()
+        time.sleep(0.02)  # give a surplus thread, if any, the chance to show up
+        with lock:
+            running[0] -= 1
+        return item * 10
+
+    assert parallel_map(item_fn, range(2 * workers), workers, "thread") == [
+        i * 10 for i in range(2 * workers)]
+    assert peak[0] == workers
+
+
+def test_processes_run_in_other_processes():
+    results = parallel_map(where_am_i, range(6), 2, "process")
+    assert [r[0] for r in results] == list(range(6))
+    pids = {r[1] for r in results}
+    assert os.getpid() not in pids
+    assert 1 <= len(pids) <= 2
+
+
+@pytest.mark.points(2)
+def test_two_processes_run_two_items_at_once():
+    # A Barrier(2) served by a manager process: wait() returns only when two workers wait on it
+    # at the same time. operator.methodcaller and the proxy are picklable.
+    with multiprocessing.Manager() as manager:
+        barrier = manager.Barrier(2, timeout=WAIT_S)
+        wait = operator.methodcaller("wait")
+        assert sorted(parallel_map(wait, [barrier, barrier], 2, "process")) == [0, 1]

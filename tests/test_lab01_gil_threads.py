@@ -1,0 +1,159 @@
+"""Tests of lab 01's non-exercise parts: the workloads, the measurement code and its verdicts,
+and the lab end to end on 2 ranks (smoke size). Correctness only; timings are never checked."""
+import math
+import sys
+
+import pytest
+import torch
+
+import labs.lab01_gil_threads as lab
+from helpers.launch import launch
+
+
+def test_work_is_split_into_the_same_total_for_any_worker_count():
+    for name, spec in lab.WORKLOADS.items():
+        for workers in (1, 2, 3, 4):
+            items = spec.items(4 * workers, spec.total_smoke)
+            assert len(items) == 4 * workers
+            assert [item[0] for item in items] == list(range(4 * workers))  # distinct seeds
+            total = sum(item[1] for item in items)
+            rounding = 0.0 if not spec.whole else len(items) / 2  # whole units per item
+            assert abs(total - spec.total_smoke) <= rounding + 1e-9, (name, workers, total)
+    with pytest.raises(ValueError):
+        lab.WORKLOADS["python"].items(0)
+
+
+def test_workloads_are_deterministic_and_seed_dependent():
+    for spec in lab.WORKLOADS.values():
+        a, b = spec.items(2, spec.total_smoke / 100)
+        assert spec.fn(a) == spec.fn(a)
+        assert spec.fn(a) != spec.fn(b)
+
+
+def test_intra_op_threads_sets_and_restores():
+    before = torch.get_num_threads()
+    with lab.intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_gil_status_matches_this_interpreter():
+    status = lab.gil_status()
+    assert status["python"] == sys.version.split()[0]
+    assert status["gil_enabled"] == getattr(sys, "_is_gil_enabled", lambda: True)()
+    if not status["free_threaded_build"]:
+        assert status["gil_enabled"]
+
+
+def test_rank_shards_are_disjoint_and_cover_everything():
+    items = list(range(11))
+    for world_size in (1, 2, 3):
+        shards = [lab.rank_shard(items, r, world_size) for r in range(world_size)]
+        assert sorted(sum(shards, [])) == items
+
+
+def test_verdict_thresholds():
+    assert lab.verdict(1.9, 2) == "parallel"
+    assert lab.verdict(1.0, 2) == "serialised"
+    assert lab.verdict(0.7, 2) == "serialised"
+    assert lab.verdict(1.4, 2) == "partly parallel"
+    assert lab.verdict(3.1, 4) == "parallel"
+    assert lab.verdict(1.0, 1) == "serialised"
+
+
+def test_ideal_speedup_is_capped_by_cores_except_for_waiting(monkeypatch):
+    assert 1 <= lab.compute_cores() <= lab.available_cores()
+    monkeypatch.setattr(lab, "compute_cores", lambda: 2)
+    assert lab.ideal_speedup("python", 8) == 2
+    assert lab.ideal_speedup("matmul", 1) == 1
+    assert lab.ideal_speedup("io", 8) == 8
+
+
+def row(workload, kind, speedup, seconds=1.0, overhead_s=0.0, workers=2):
+    return dict(workload=workload, kind=kind, workers=workers, speedup=speedup, seconds=seconds,
+                overhead_s=overhead_s)
+
+
+def test_lessons_follow_the_measured_numbers():
+    assert "GIL" in lab.lesson(row("python", "thread", 1.02))
+    assert "1.02x" in lab.lesson(row("python", "thread", 1.02))
+    assert "slower than serial" in lab.lesson(row("python", "thread", 0.7))
+    assert "own GIL" in lab.lesson(row("python", "process", 1.9))
+    assert "releases the GIL" in lab.lesson(row("matmul", "thread", 1.8))
+    # a number that contradicts the expectation is reported as such, not explained away
+    surprise = lab.lesson(row("python", "thread", 1.9))
+    assert "expected serialised" in surprise and "Re-run" in surprise
+    assert "expected parallel" in lab.lesson(row("matmul", "thread", 1.0))
+    # without a GIL, parallel threads are the expected outcome
+    assert "PEP 703" in lab.lesson(row("python", "thread", 1.9), gil_enabled=False)
+    # a pool that spent most of the time starting up is named as the cause
+    startup = lab.lesson(row("python", "process", 1.1, seconds=0.2, overhead_s=0.1))
+    assert "starting and stopping the pool" in startup
+    # 8 processes on 2 cores can reach 2x at most: 1.9x is the expected outcome, not a surprise
+    capped = lab.lesson({**row("python", "process", 1.9, workers=8), "ideal": 2})
+    assert "own GIL" in capped and "ideal 2x" in capped
+    assert "expected" not in capped
+
+
+def test_speedup_table_rows_and_argument_checks():
+    rows = lab.speedup_table("io", 2, kinds=("thread", "thread"), total=0.04, repeats=1)
+    assert [(r["kind"], r["workers"]) for r in rows] == [("serial", 1), ("thread", 2)]
+    assert rows[0]["speedup"] == 1.0
+    assert all(r["seconds"] > 0 and r["overhead_s"] >= 0 for r in rows)
+    with pytest.raises(ValueError):
+        lab.speedup_table("sorting", 2)
+    with pytest.raises(ValueError):
+        lab.speedup_table("io", 2, kinds=("gpu",))
+    with pytest.raises(ValueError):
+        lab.speedup_table("io", 0)
+
+
+def test_speedup_table_refuses_a_fast_wrong_answer(monkeypatch):
+    real = lab.parallel_map
+
+    def wrong_threads(fn, items, workers, kind):
+        results = real(fn, items, workers, kind)
+        return results[::-1] if kind == "thread" else results
+
+    monkeypatch.setattr(lab, "parallel_map", wrong_threads)
+    with pytest.raises(RuntimeError, match="other results than serial"):
+        lab.speedup_table("io", 2, kinds=("thread",), total=0.04, repeats=1)
+
+
+def test_creation_cost():
+    assert lab.creation_cost("thread", count=3) > 0
+    assert lab.creation_cost("process", count=2) > 0
+    with pytest.raises(ValueError):
+        lab.creation_cost("fiber")
+
+
+@pytest.fixture(scope="module")
+def lab_run():
+    return launch("labs/lab01_gil_threads.py", nproc=2, timeout=180, env={"COURSE_SMOKE": "1"},
+                  stream=False)
+
+
+def test_lab_ranks_together_compute_the_single_process_result(lab_run):
+    rank0, rank1 = lab_run.results[0], lab_run.results[1]
+    n_items = 4 * 2
+    items = lab.WORKLOADS["python"].items(n_items, 2_000_000)  # the lab's smoke size
+    results = [lab.python_work(item) for item in items]  # the single-process reference
+    expected = sum(results)
+    assert rank0["serial_checksum"] == expected
+    assert rank0["threads_checksum"] == expected and rank0["threads_match_serial"]
+    # each rank did only its own shard (every 2nd item), and the shards add up
+    assert rank0["shard_checksum"] == sum(results[0::2])
+    assert rank1["shard_checksum"] == sum(results[1::2])
+    assert rank0["processes_checksum"] == rank1["processes_checksum"] == expected
+
+
+def test_lab_reports_the_three_throughputs(lab_run):
+    rank0 = lab_run.results[0]
+    assert rank0["items"] == 8 and rank0["workers"] == 2
+    for key in ("throughput_1_process", "throughput_threads", "throughput_processes"):
+        assert rank0[key] > 0
+    assert math.isclose(rank0["speedup_processes"],
+                        rank0["throughput_processes"] / rank0["throughput_1_process"])
+    assert math.isclose(rank0["processes_vs_threads"],
+                        rank0["throughput_processes"] / rank0["throughput_threads"])
+    assert "notebook 03" in lab_run.output
