@@ -213,7 +213,11 @@ def record_error(rank: int, exc: BaseException) -> None:
 @contextlib.contextmanager
 def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
     """setup() ... teardown(), recording this rank's error for the launcher if the body raises."""
-    ctx = setup(timeout_s)
+    try:
+        ctx = setup(timeout_s)
+    except BaseException as exc:  # e.g. a rendezvous timeout: still tell the launcher who failed
+        record_error(_env_int("RANK", 0), exc)
+        raise
     try:
         yield ctx
     except BaseException as exc:

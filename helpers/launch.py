@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import psutil
 
@@ -116,7 +116,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     stream: bool = True,
     check: bool = True,
-    torchrun_args: Iterable[str] = (),
+    torchrun_args: Sequence[str] = (),
     nnodes: int = 1,
     node_rank: int = 0,
     master_addr: str | None = None,
@@ -137,6 +137,10 @@ def launch(
         cmd = torchrun_command(path, [str(a) for a in args], nproc, Path(tmp) / "logs", nnodes,
                                node_rank, master_addr, master_port, torchrun_args)
         child_env = _child_env(results_dir, nproc, env)
+        if any(a.startswith(("--max-restarts", "--max_restarts")) for a in torchrun_args):
+            # Restarted gloo workers cannot reuse the agent's store in torch 2.13
+            # (pytorch/pytorch#135712): give every attempt a fresh one.
+            child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         start = time.perf_counter()
         returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream)
         seconds = time.perf_counter() - start
