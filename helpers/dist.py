@@ -224,5 +224,9 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
         record_error(ctx.rank, exc)
         print(f"[rank {ctx.rank}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         raise
+    else:
+        # No rank tears its group down while another still talks to it: exiting with gloo work in
+        # flight can abort the process ("terminate called without an active exception").
+        ctx.barrier()
     finally:
         teardown()

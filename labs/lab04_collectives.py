@@ -154,13 +154,21 @@ def store_demo(rank: int, world_size: int, device: torch.device, timeout_s: floa
     local.set(f"hello/{rank}", "only I can see this")
     others_visible = any(local.check([f"hello/{r}"]) for r in range(world_size) if r != rank)
 
-    dist.barrier()  # every rank is done with the stores before rank 0's server and file go away
+    hashstore_keys = local.num_keys()
+    # A FileStore's destructor reopens its file (the last one out deletes it) and waits, up to the
+    # timeout, for the file to exist: every rank closes its FileStore before rank 0 removes the
+    # folder, and the TCPStore clients disconnect before rank 0's server goes away.
+    del files
+    if rank != 0:
+        del tcp
+    dist.barrier()
     if rank == 0:
+        del tcp
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     return {"tcp_port": int(port.item()), "arrival": arrival, "lr_read": lr_read,
             "leader": int(leader), "filestore_path": path, "file_count": file_count,
             "neighbour_note": neighbour_note, "hashstore_sees_others": others_visible,
-            "hashstore_keys": local.num_keys()}
+            "hashstore_keys": hashstore_keys}
 
 
 # ============================================================================ point-to-point
