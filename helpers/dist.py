@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0
 RESULTS_ENV = "COURSE_RESULTS_DIR"  # set by helpers.launch: where ranks write their reports
+FINISHED = "_finished"  # reported by distributed() when a rank's body completed without error
 
 
 @dataclass(frozen=True)
@@ -225,8 +226,10 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
         print(f"[rank {ctx.rank}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         raise
     else:
-        # No rank tears its group down while another still talks to it: exiting with gloo work in
-        # flight can abort the process ("terminate called without an active exception").
+        # Mark this rank's work done *before* the barrier, so every mark is on disk before any rank
+        # can exit; then no rank tears its group down while another still talks to it. (The
+        # launcher uses the marks: see FINISHED in helpers/launch.py.)
+        ctx.report(**{FINISHED: True})
         ctx.barrier()
     finally:
         teardown()

@@ -268,3 +268,14 @@ def test_every_lab_documents_how_to_run_it():
     for lab in sorted((REPO_ROOT / "labs").glob("lab[0-9][0-9]_*.py")):
         doc = lab.read_text().split('"""')[1]
         assert "./run.sh" in doc, f"{lab.name}: its docstring should say how to run it"
+
+
+def test_abort_at_exit_after_finishing_is_reported_not_fatal(capsys):
+    res = launch(SCRIPTS / "abort_rank.py", "after", nproc=2, timeout=120, stream=False)
+    assert res.returncode != 0 and sorted(res.results) == [0, 1]
+    assert "aborted while exiting, after every rank had finished" in capsys.readouterr().err
+
+
+def test_abort_during_the_work_fails_the_launch():
+    with pytest.raises(LaunchError, match="failed with exit code"):
+        launch(SCRIPTS / "abort_rank.py", "inside", nproc=2, timeout=120, stream=False)
