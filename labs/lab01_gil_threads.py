@@ -1,6 +1,7 @@
 """Lab 01: the GIL, threads and processes, measured with the same total work.
 
-Run:  ./run.sh 01      (or: python -c "from helpers.launch import launch; launch('labs/lab01_gil_threads.py', nproc=2)")
+Run:  ./run.sh 01
+      (or: python -c "from helpers.launch import launch; launch('labs/lab01_gil_threads.py')")
 
 Every rank runs pure-Python CPU work. Rank 0 measures, in one run, the throughput of
   1 process  (rank 0 alone does all the work, the other ranks wait),
@@ -118,7 +119,6 @@ def where_am_i(item: Any) -> tuple[Any, int, str]:
 class Workload:
     name: str
     fn: Callable[[Any], Any]
-    what: str
     total_full: float      # total work: loop iterations, matmuls, op steps or seconds of waiting
     total_smoke: float
     whole: bool = True     # the work comes in whole units (not seconds)
@@ -135,11 +135,10 @@ class Workload:
 
 WORKLOADS = {
     w.name: w for w in (
-        Workload("python", python_work, "pure-Python loop", 12_000_000, 2_000_000),
-        Workload("matmul", matmul_work, "512x512 matmuls, 1 intra-op thread each", 192, 48,
-                 extra=(512,)),
-        Workload("tiny_ops", tiny_ops_work, "tiny torch ops (dispatch bound)", 100_000, 20_000),
-        Workload("io", io_work, "IO wait (sleep)", 0.8, 0.2, whole=False),
+        Workload("python", python_work, 12_000_000, 2_000_000),       # loop iterations
+        Workload("matmul", matmul_work, 192, 48, extra=(512,)),        # 512x512 matmuls
+        Workload("tiny_ops", tiny_ops_work, 100_000, 20_000),          # steps of 2 tiny ops
+        Workload("io", io_work, 0.8, 0.2, whole=False),                # seconds of waiting
     )
 }
 
@@ -174,7 +173,8 @@ def parallel_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int,
 
     kind:
       "serial"  : one call after another in this thread (`workers` is checked but unused);
-      "thread"  : a pool of `workers` threads in this process (concurrent.futures.ThreadPoolExecutor);
+      "thread"  : a pool of `workers` threads in this process
+                  (concurrent.futures.ThreadPoolExecutor);
       "process" : a pool of `workers` processes, made with `process_pool(workers)` above
                   (`fn` and the items must be picklable: top-level functions of a module).
     Raise ValueError if `kind` is not one of KINDS or `workers` is not an int >= 1, before any
@@ -256,7 +256,8 @@ def speedup_table(workload: str, workers: int, kinds: Sequence[str] = ("thread",
     expected = parallel_map(spec.fn, items, 1, "serial")
     for kind, n in runs[1:]:  # correctness first; this also warms up (starts the forkserver)
         if parallel_map(spec.fn, items, n, kind) != expected:
-            raise RuntimeError(f"{workload} with {n} {kind} worker(s) gave other results than serial")
+            raise RuntimeError(f"{workload} with {n} {kind} worker(s) gave other results "
+                               "than serial")
     samples: dict[str, list[float]] = {kind: [] for kind, _ in runs}
     for _ in range(repeats):  # interleave the kinds: a burst of load elsewhere hits them alike
         for kind, n in runs:
@@ -291,7 +292,8 @@ _WHY = {  # (workload, kind) -> why it behaves as it does with the GIL on
     ("matmul", "thread"): ("parallel", "the matmul kernel releases the GIL while it computes"),
     ("matmul", "process"): ("parallel", "each process has its own interpreter and its own GIL"),
     ("tiny_ops", "thread"): ("serialised", "each op spends its microseconds in Python and the "
-                             "dispatcher, holding the GIL; the kernel that releases it is too short"),
+                             "dispatcher, holding the GIL; the kernel that releases it is too "
+                             "short"),
     ("tiny_ops", "process"): ("parallel", "each process dispatches its own ops under its own GIL"),
     ("io", "thread"): ("parallel", "a blocked thread releases the GIL, so the waits overlap"),
     ("io", "process"): ("parallel", "the waits overlap in separate processes too (but cost more "
