@@ -8,10 +8,11 @@ timing against a typed-in number.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -59,3 +60,18 @@ def measure(
         synchronize(device)
         samples.append(time.perf_counter() - start)
     return Timing(tuple(samples))
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """Use `n` intra-op (OpenMP) threads for torch ops in this thread, then restore the old count.
+
+    With OpenMP the setting belongs to the calling thread, so each worker sets its own. N workers
+    that each kept the default (one thread per core) would oversubscribe the cores N times.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -18,7 +18,6 @@ fresh worker process cannot import), and `parallel_map` is the homework exercise
 from __future__ import annotations
 
 import concurrent.futures as futures
-import contextlib
 import multiprocessing
 import os
 import statistics
@@ -27,14 +26,14 @@ import sysconfig
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import psutil
 import torch
 import torch.distributed as dist
 
 from helpers import pick
-from helpers.bench import measure
+from helpers.bench import intra_op_threads, measure
 from helpers.dist import DistContext, distributed
 
 KINDS = ("serial", "thread", "process")
@@ -52,21 +51,6 @@ def python_work(item: tuple[int, int]) -> int:
     for i in range(iterations):
         total = (total * 31 + i) % 1_000_003
     return total
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int) -> Iterator[None]:
-    """Use `n` intra-op (OpenMP) threads for torch ops in this thread, then restore the old count.
-
-    With OpenMP the setting belongs to the calling thread, so each worker sets its own. N workers
-    that each kept the default (one thread per core) would oversubscribe the cores N times.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def matmul_work(item: tuple[int, int, int]) -> float:

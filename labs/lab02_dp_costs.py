@@ -10,7 +10,6 @@ Run:  ./run.sh 02      (or: ./run.sh labs/lab02_dp_costs.py); rank 0 measures, o
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import pick
-from helpers.bench import measure
+from helpers.bench import intra_op_threads, measure
 from helpers.dist import distributed, gpu_count, synchronize
 from labs.lab02_data_parallel import (FORWARD_PHASES, ThreadDataParallel, make_batch, make_mlp,
                                       nbytes, parallel_apply, replicate, scatter)
@@ -171,17 +170,6 @@ def dataparallel_probe(width: int, depth: int, batch_size: int, repeats: int = 2
 # ----------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def torch_threads(count: int):
-    """Fix torch's intra-op thread count for a block: one per Python thread shows the GIL alone."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def phase_times(width: int, depth: int, batch_size: int, replica_counts,
                 steps: int = 5) -> list[dict]:
     """Median seconds per phase of a training step (forward phases + loss/backward), per N.
@@ -196,7 +184,7 @@ def phase_times(width: int, depth: int, batch_size: int, replica_counts,
     def plain_step():
         F.cross_entropy(plain(x), y).backward()
 
-    with torch_threads(1):
+    with intra_op_threads(1):
         rows = [{"replicas": "plain module", "step": measure(plain_step, repeats=steps).median}]
         for num_replicas in replica_counts:
             rows.append(_phase_row(ThreadDataParallel(make_mlp(width, depth, num_classes),
@@ -280,7 +268,7 @@ def threads_vs_serial(configs: dict[str, dict], num_replicas: int = 2,
         model = make_mlp(cfg["width"], cfg["depth"], 10)
         x, _ = make_batch(cfg["batch_size"], cfg["width"], 10)
         chunks = scatter(x, num_replicas)
-        with torch.no_grad(), torch_threads(1):
+        with torch.no_grad(), intra_op_threads(1):
             replicas = replicate(model, len(chunks))
             serial, threaded = [], []
             for _ in range(repeats + 2):  # interleaved: both see the same machine load

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import launch_results
+from helpers.launch import launch
 
 
 ATOL = 1e-6
@@ -19,7 +19,7 @@ ATOL = 1e-6
 
 @pytest.fixture(scope="module")
 def labs_run():
-    return launch_results(__file__, nproc=2, timeout=240, stream=False, env={"COURSE_SMOKE": "1"})
+    return launch(__file__, nproc=2, timeout=240, stream=False, env={"COURSE_SMOKE": "1"}).results
 
 
 def _rows(labs_run, rank=0):

@@ -15,7 +15,7 @@ import traceback
 import pytest
 import torch
 
-from tests.support import launch_results
+from helpers.launch import launch
 
 
 ATOL, RTOL = 1e-6, 1e-5
@@ -73,7 +73,7 @@ def test_plan_buckets_random_layouts():
 
 @pytest.fixture(scope="module")
 def hidden_run():
-    return launch_results(__file__, nproc=3, timeout=240, stream=False, env={"DIST_TIMEOUT": "45"})
+    return launch(__file__, nproc=3, timeout=240, stream=False, env={"DIST_TIMEOUT": "45"}).results
 
 
 def _case(hidden_run, name):

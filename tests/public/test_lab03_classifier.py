@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import launch_results
+from helpers.launch import launch
 
 
 pytestmark = pytest.mark.exercise("ddp_classifier")
@@ -21,7 +21,7 @@ MIN_ACCURACY = 0.85
 
 @pytest.fixture(scope="module")
 def runs():
-    return launch_results(__file__, nproc=2, timeout=180, stream=False)
+    return launch(__file__, nproc=2, timeout=180, stream=False).results
 
 
 def test_reaches_test_accuracy(runs):

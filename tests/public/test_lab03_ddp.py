@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import launch_results
+from helpers.launch import launch
 
 
 ATOL, RTOL = 1e-6, 1e-5
@@ -45,7 +45,7 @@ def test_plan_buckets_mlp_layout():
 
 @pytest.fixture(scope="module")
 def bucketed_run():
-    return launch_results(__file__, "bucketed", nproc=2, timeout=120, stream=False)
+    return launch(__file__, "bucketed", nproc=2, timeout=120, stream=False).results
 
 
 @pytest.mark.exercise("bucketed_ddp")
