@@ -231,5 +231,18 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
         # launcher uses the marks: see FINISHED in helpers/launch.py.)
         ctx.report(**{FINISHED: True})
         ctx.barrier()
+        _record_later_errors(ctx.rank)
     finally:
         teardown()
+
+
+def _record_later_errors(rank: int) -> None:
+    """An exception raised after the block (every rank finished) is still this rank's failure:
+    record it too, so the launcher does not mistake it for gloo's crash at exit."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        record_error(rank, exc)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook

@@ -9,9 +9,12 @@ Why not `!torchrun` or `mp.spawn` in a notebook: `!torchrun` ignores a non-zero 
 `subprocess.run(timeout=...)`: it kills torchrun but not the workers, which torchrun starts in
 sessions of their own, so they are left running. Here:
 
-- torchrun runs in a new session; every line any rank prints is streamed (`[rank0]:` prefixes);
+- torchrun runs under a guard (`helpers.procs`) in a new session; every line any rank prints is
+  streamed, labelled with its global rank (`[rank2]:` on the second node of two);
 - on failure `LaunchError` names the rank that failed first and shows its traceback;
-- on timeout or KeyboardInterrupt (interrupting the cell) torchrun *and* its workers are killed;
+- on timeout or KeyboardInterrupt (interrupting the cell) torchrun *and* its workers are killed,
+  and if the launching process itself dies (a kernel restarted while the cell runs is SIGKILLed)
+  the guard kills them within a second;
 - single node uses `--standalone` (torchrun picks a free port): two launches never collide;
 - each rank's `ctx.report(...)` values come back in `LaunchResult.results`, indexed by rank.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,20 +33,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-import psutil
-
+from helpers import procs
 from helpers.dist import FINISHED, RESULTS_ENV, gpu_count
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_KEPT_OUTPUT = 2_000_000  # characters of output kept in LaunchResult (a flood is truncated)
+# torchrun's label for each output line; ${rank} is the global rank (${local_rank} repeats per node)
+LINE_PREFIX_TEMPLATE = "[rank${rank}]:"
 
 
 class LaunchError(RuntimeError):
-    """A launch that failed, timed out or was given bad input; the message says which rank and why."""
+    """A launch that failed, timed out or was given bad input; the message says which rank and why.
 
-    def __init__(self, message: str, result: "LaunchResult | None" = None):
+    `rank` is the rank that failed first (None when no rank recorded an error) and `summary` the
+    last line of its traceback ("ValueError: ..."), or why the launch failed without one."""
+
+    def __init__(self, message: str, result: "LaunchResult | None" = None, rank: int | None = None,
+                 summary: str = ""):
         super().__init__(message)
         self.result = result
+        self.rank = rank
+        self.summary = summary or message.splitlines()[0]
 
 
 @dataclass
@@ -95,7 +105,7 @@ def torchrun_command(
     torchrun_args: Iterable[str] = (),
 ) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--role", "rank", "--tee", "3", "--log-dir", str(log_dir)]
+           "--tee", "3", "--log-dir", str(log_dir)]
     if nnodes == 1:
         cmd.append("--standalone")  # torchrun picks a free port on this machine
     else:
@@ -148,18 +158,36 @@ def launch(
         errors = _read_errors(results_dir)
     result = LaunchResult(str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path),
                           nproc, returncode, seconds, output, results)
-    if returncode != 0 and not reason and not errors and _all_finished(results, nproc):
+    if returncode != 0 and not reason and _teardown_abort(result, errors):
         # Every rank finished its work and met the others at the final barrier, then a process
-        # died while exiting: gloo occasionally aborts at interpreter exit with "terminate called
-        # without an active exception" (seen about 1 launch in 20 on a 2-core machine). The
-        # results are complete, so say so instead of failing the run.
+        # died by SIGABRT while exiting: gloo occasionally aborts at interpreter exit with
+        # "terminate called without an active exception" (seen about 1 launch in 20 on a 2-core
+        # machine). The results are complete, so say so instead of failing the run. Anything
+        # else after the work (an exception, sys.exit(1)) still fails it.
         print(f"note: {result.script}: a rank aborted while exiting, after every rank had "
               "finished its work (a known gloo teardown crash); the results are complete",
               file=sys.stderr, flush=True)
         return result
     if check and (returncode != 0 or reason):
-        raise LaunchError(_failure_message(result, reason, errors), result)
+        rank, summary = _first_error(errors, reason)
+        raise LaunchError(_failure_message(result, reason, errors), result, rank, summary)
     return result
+
+
+def _first_error(errors: list[tuple[float, int, str]], reason: str) -> tuple[int | None, str]:
+    if not errors:
+        return None, reason
+    _, rank, text = errors[0]
+    return rank, text.strip().splitlines()[-1]
+
+
+def _teardown_abort(result: LaunchResult, errors: list) -> bool:
+    """Every rank finished and raised nothing; a rank died of SIGABRT and the others, if they
+    failed at all, were stopped by torchrun (SIGTERM) because of it."""
+    if errors or not _all_finished(result.results, result.nproc):
+        return False
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", result.output))  # torchrun's failure table
+    return "-6" in codes and codes <= {"-6", "-15"}
 
 
 def _all_finished(results: dict[int, dict[str, Any]], nproc: int) -> bool:
@@ -172,16 +200,17 @@ def _child_env(results_dir: Path, nproc: int, extra: Mapping[str, str] | None) -
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env[RESULTS_ENV] = str(results_dir)
     env["PYTHONUNBUFFERED"] = "1"
-    # torchrun would set 1 thread per rank and print a banner about it; say it ourselves.
+    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", LINE_PREFIX_TEMPLATE)
+    # torchrun would set 1 thread per rank and print a banner about it; say it ourselves: the
+    # cores are shared out between the ranks.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return env
 
 
 def _run_streaming(cmd: list[str], env: dict[str, str], timeout: float, stream: bool):
-    """Run torchrun in its own session, streaming lines; kill everything on timeout/interrupt."""
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, text=True, errors="replace", bufsize=1)
+    """Run torchrun under a guard, streaming lines; end the whole tree on timeout or interrupt."""
+    proc = procs.start(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1)
     lines: queue.Queue[str | None] = queue.Queue()
     reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
     reader.start()
@@ -189,16 +218,11 @@ def _run_streaming(cmd: list[str], env: dict[str, str], timeout: float, stream: 
     kept_chars = 0
     reason = ""
     deadline = time.monotonic() + timeout
-    tracked: set[int] = set()
-    last_scan = 0.0
     try:
         while True:
             if time.monotonic() > deadline:
                 reason = f"timed out after {timeout:.0f} s"
                 break
-            if time.monotonic() - last_scan > 0.5:  # remember workers: they outlive a killed torchrun
-                tracked |= _descendants(proc.pid)
-                last_scan = time.monotonic()
             try:
                 line = lines.get(timeout=0.1)
             except queue.Empty:
@@ -211,57 +235,39 @@ def _run_streaming(cmd: list[str], env: dict[str, str], timeout: float, stream: 
             if stream:
                 print(line, end="", flush=True)
     except KeyboardInterrupt:
-        kill_tree(proc, tracked)
+        ranks = _ranks_of(proc)
+        procs.stop(proc)
+        left = procs.alive(ranks)
+        message = (f"stopped: {len(ranks)} rank(s) killed, no process left" if not left else
+                   f"stopped, but {len(left)} process(es) could not be killed: {[p.pid for p in left]}")
+        print(message, file=sys.stderr, flush=True)
+        raise KeyboardInterrupt(message) from None  # one line, not the launcher's internals
+    except BaseException:  # e.g. pytest-timeout's Failed raised in this thread: leave nothing behind
+        procs.stop(proc)
         raise
-    if reason:
-        kill_tree(proc, tracked)
-    returncode = proc.wait()
-    kill_tree(proc, tracked)  # nothing is left behind even if torchrun exited oddly
+    procs.stop(proc)  # after a timeout; or, after a normal exit, whatever torchrun left running
     if kept_chars >= MAX_KEPT_OUTPUT:
         kept.append("\n[... output truncated ...]\n")
-    return returncode, "".join(kept), reason
+    return proc.returncode, "".join(kept), reason
+
+
+def _ranks_of(proc) -> list:
+    """The worker processes of a guarded torchrun (grandchildren of the guard)."""
+    return [p for p in procs.descendants(proc.pid)
+            if "torch.distributed.run" not in " ".join(_cmdline(p)) and "helpers.procs" not in " ".join(_cmdline(p))]
+
+
+def _cmdline(p) -> list[str]:
+    try:
+        return p.cmdline()
+    except Exception:
+        return []
 
 
 def _pump(stream, lines: queue.Queue) -> None:
     for line in iter(stream.readline, ""):
         lines.put(line)
     lines.put(None)
-
-
-def _descendants(pid: int) -> set[int]:
-    try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-def kill_tree(proc: subprocess.Popen, tracked: set[int] = frozenset()) -> None:
-    """SIGTERM torchrun's group (it forwards to workers), then SIGKILL whatever remains."""
-    pids = set(tracked) | _descendants(proc.pid)
-    if proc.poll() is None:
-        with _quiet():
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-    for pid in pids:  # workers run in sessions of their own: kill each one's group too
-        with _quiet():
-            os.killpg(pid, signal.SIGKILL)
-        with _quiet():
-            os.kill(pid, signal.SIGKILL)
-    if proc.poll() is None:
-        with _quiet():
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        return exc_type is not None and issubclass(exc_type, (ProcessLookupError, PermissionError))
 
 
 def _read_results(folder: Path) -> dict[int, dict[str, Any]]:

@@ -1,0 +1,92 @@
+"""The one harness for tests that run code on several ranks.
+
+A test file that checks distributed code is also the torchrun script it launches: its
+`if __name__ == "__main__":` block runs the case named on the command line inside
+`helpers.dist.distributed()` and reports with `ctx.report(...)`. The test side launches it once per
+module and reads what every rank reported:
+
+    @pytest.fixture(scope="module")
+    def bucketed():
+        return launch_ranks(__file__, "bucketed", nproc=2, needs=[BucketedDDP])
+
+    def test_something(bucketed):
+        for rank, report in bucketed.items():
+            assert report["x"] == ..., f"rank {rank}: ..."
+
+`launch_ranks` never raises in the fixture. If the launch failed, every test that reads the
+result fails with the same short message naming the rank and its exception ("rank 1 raised
+ValueError: ..."), so each test reports the cause instead of one fixture ERROR. If an exercise in
+`needs` is still its stub, nothing is launched and each test reports the stub's own message, which
+`./run.sh check` shows as "not implemented yet".
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Iterator, Mapping
+
+from helpers.exercise import Unsolved, stub_message
+
+DEFAULT_TIMEOUT_S = 240.0
+
+
+class RankFailure(AssertionError):
+    """The launch behind this test failed; the message names the rank and its error."""
+
+
+class Ranks(Mapping[int, dict]):
+    """What each rank reported ({rank: report}), or the reason there is nothing to read."""
+
+    def __init__(self, reports: dict[int, dict] | None, error: BaseException | None = None,
+                 output: str = ""):
+        self._reports = reports or {}
+        self._error = error
+        self.output = output
+
+    def _check(self) -> None:
+        if isinstance(self._error, Unsolved):
+            raise Unsolved(str(self._error))
+        if self._error is not None:
+            raise RankFailure(str(self._error)) from None
+
+    def __getitem__(self, rank: int) -> dict:
+        self._check()
+        return self._reports[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        self._check()
+        return iter(self._reports)
+
+    def __len__(self) -> int:
+        self._check()
+        return len(self._reports)
+
+    @property
+    def rank0(self) -> dict:
+        return self[0]
+
+
+def launch_ranks(script: str | os.PathLike, *args: Any, nproc: int = 2,
+                 timeout: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
+                 needs: Iterable[Any] = ()) -> Ranks:
+    """Launch `script args` on `nproc` ranks once; see the module docstring."""
+    from helpers.launch import LaunchError, launch  # torch: only when something is launched
+
+    for exercise in needs:
+        message = stub_message(exercise)
+        if message:
+            return Ranks(None, Unsolved(message))
+    try:
+        result = launch(script, *map(str, args), nproc=nproc, timeout=timeout, env=env, stream=False)
+    except LaunchError as err:
+        if err.rank is not None:
+            summary = f"rank {err.rank} raised {err.summary}"
+        else:
+            summary = err.summary
+        return Ranks(None, _as_error(summary, err), err.result.output if err.result else "")
+    return Ranks(result.results, None, result.output)
+
+
+def _as_error(summary: str, err) -> BaseException:
+    unsolved = Unsolved(summary.split("NotImplementedError: ", 1)[1]) \
+        if "NotImplementedError: Exercise " in summary else None
+    return unsolved or RankFailure(f"{summary} (launch of {err.result.script if err.result else '?'})")
