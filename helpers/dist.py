@@ -102,10 +102,6 @@ class DistContext:
     reason: str
     timeout_s: float
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
     def print0(self, *args: Any, **kwargs: Any) -> None:
         """print() on rank 0 only, flushed so launcher output streams in order."""
         if self.rank == 0:

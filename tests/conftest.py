@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Iterator, Mapping
 
+import pytest
+
 from helpers.exercise import Unsolved, stub_message
 
 DEFAULT_TIMEOUT_S = 240.0
@@ -90,3 +92,14 @@ def _as_error(summary: str, err) -> BaseException:
     unsolved = Unsolved(summary.split("NotImplementedError: ", 1)[1]) \
         if "NotImplementedError: Exercise " in summary else None
     return unsolved or RankFailure(f"{summary} (launch of {err.result.script if err.result else '?'})")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under `pytest -n N --dist loadgroup` (./run.sh test), keep each test file on one worker, so
+    its module-scoped launch runs once; a test may pick its own group with
+    `@pytest.mark.xdist_group(name)` to run beside the rest of its file."""
+    if not config.pluginmanager.hasplugin("xdist") or getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
