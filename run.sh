@@ -3,6 +3,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export COURSE_CALLER_CWD="$PWD"  # paths given to check/submit/release/grade are relative to it
 cd "$ROOT"
 
 usage() {

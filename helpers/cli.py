@@ -62,6 +62,15 @@ def summary_row(lab: Path, nproc: int, nnodes: int, result: LaunchResult | None,
                 ranks=nproc * nnodes, seconds=round(seconds, 1), result="ok" if ok else "FAILED")
 
 
+def lab_nproc(lab: Path, default: int) -> int:
+    """Ranks for one lab: `default`, unless the lab declares a module-level line `LAB_NPROC = N`
+    (it needs N ranks, e.g. a 2 x 2 device mesh) and NPROC is not set (NPROC always wins)."""
+    if os.environ.get("NPROC"):
+        return default
+    match = re.search(r"^LAB_NPROC = (\d+)\b", lab.read_text(), re.MULTILINE)
+    return int(match.group(1)) if match else default
+
+
 def run_labs(selection: str | None) -> int:
     labs = discover_labs(selection)
     nproc, options = default_nproc(), multinode_options()
@@ -71,14 +80,15 @@ def run_labs(selection: str | None) -> int:
         print(f"note: {nproc} ranks on {cores} CPU cores: they will share cores and run slowly")
     rows = []
     for lab in labs:
-        print(f"\n=== {lab.relative_to(REPO_ROOT)}: {nproc} rank(s) x {nnodes} node(s) ===", flush=True)
+        ranks = lab_nproc(lab, nproc)
+        print(f"\n=== {lab.relative_to(REPO_ROOT)}: {ranks} rank(s) x {nnodes} node(s) ===", flush=True)
         try:
-            res = launch(lab, nproc=nproc, timeout=LAB_TIMEOUT_S, **options)
-            rows.append(summary_row(lab, nproc, nnodes, res, res.seconds, True))
+            res = launch(lab, nproc=ranks, timeout=LAB_TIMEOUT_S, **options)
+            rows.append(summary_row(lab, ranks, nnodes, res, res.seconds, True))
         except LaunchError as err:
             print(f"\n{err}", file=sys.stderr, flush=True)
             res = err.result
-            rows.append(summary_row(lab, nproc, nnodes, res, res.seconds if res else 0.0, False))
+            rows.append(summary_row(lab, ranks, nnodes, res, res.seconds if res else 0.0, False))
     print()
     table(rows, title="Summary")
     failed = [r["lab"] for r in rows if r["result"] != "ok"]

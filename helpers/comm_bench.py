@@ -16,9 +16,10 @@ Two tools, used by notebook 04 and its labs and tests:
   busbw is the rate each rank's link must carry for a bandwidth-optimal (ring) algorithm to
   finish in time t; it does not depend on n, so it can be compared with the hardware's link speed.
   `side_by_side()` races a few cases at one size in alternating rounds (fair ratios on a noisy
-  machine); `fit_latency_bandwidth()` fits t(S) = latency + S / bandwidth; `machine_limit()` measures what
-  one process can copy (local memory on the CPU; on GPUs the device copy, and the GPU-to-GPU copy
-  when there are two).
+  machine); `fit_latency_bandwidth()` fits t(S) = latency + S / bandwidth; `machine_limit()`
+  measures what one process can copy (local memory on the CPU; on GPUs the device copy, and the
+  GPU-to-GPU copy when there are two). `LINK_BYTES_PER_S`: vendors' link speeds, per direction
+  (the unit busbw is in).
 
 SIZE CONVENTION (as nccl-tests): all-reduce and broadcast: the tensor; all-gather: the gathered
 output (n times each rank's input); reduce-scatter: the input (n times each rank's output).
@@ -32,8 +33,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from helpers.bench import measure
+from helpers.bench import Timing, measure
 from helpers.dist import gpu_count, synchronize
+from helpers.tensors import nbytes
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -42,6 +44,24 @@ MiB = 1024 * 1024
 # warn); torch 2.11 only has the old ones. Take whichever this torch has.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ----------------------------------------------------------------------------- quoted hardware
+# Bandwidths vendors quote, in bytes/s, the ceilings to hold a measured busbw against. busbw is
+# what each rank sends (and receives) per second: ONE direction. So links are listed per direction:
+# NVLink's famous 900 GB/s per H100 counts both directions together.
+H100_HBM_BYTES_PER_S = 3.35e12   # H100 SXM5, HBM3 (NVIDIA H100 datasheet; 3.9 TB/s on the H100 NVL)
+LINK_BYTES_PER_S = {             # per direction
+    # 18 NVLink 4.0 links x 25 GB/s each way (NVIDIA H100 datasheet: "900 GB/s" = both ways)
+    "NVLink 4.0, H100 (900 GB/s both ways)": 450e9,
+    # the lecture's figure: 128 GT/s x 16 lanes = 256 GB/s raw, ~242 GB/s after the 256-byte FLIT's
+    # CRC and FEC (PCI-SIG PCIe 7.0 specification, 2025); no shipping GPU has it yet
+    "PCIe 7.0 x16 (lecture's figure, no GPU yet)": 242e9,
+    # the H100's host link: 32 GT/s x 16 lanes x 128/130 encoding = 63 GB/s each way
+    "PCIe 5.0 x16 (H100)": 63e9,
+    "InfiniBand NDR 400 Gb/s (one NIC per GPU)": 50e9,
+    "Ethernet 100 Gb/s": 12.5e9,
+}
 
 
 # ----------------------------------------------------------------------------- bus bandwidth
@@ -144,10 +164,6 @@ COLLECTIVE_METHODS = (
 )
 
 
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _global_rank(group, group_rank: int) -> int | None:
     try:
         return dist.get_global_rank(group, group_rank)
@@ -177,21 +193,21 @@ def count_p2p(forbid_collectives: bool = True) -> Iterator[Traffic]:
 
     def make_send(original):
         def send(self, tensors, dst, tag=0):
-            traffic.messages.append(Message("send", dst, _global_rank(self, dst), _nbytes(tensors),
+            traffic.messages.append(Message("send", dst, _global_rank(self, dst), nbytes(tensors),
                                             self.rank(), self.size()))
             return original(self, tensors, dst, tag)
         return send
 
     def make_recv(original):
         def recv(self, tensors, src, tag=0):
-            traffic.messages.append(Message("recv", src, _global_rank(self, src), _nbytes(tensors),
+            traffic.messages.append(Message("recv", src, _global_rank(self, src), nbytes(tensors),
                                             self.rank(), self.size()))
             return original(self, tensors, src, tag)
         return recv
 
     def make_recv_anysource(original):
         def recv_anysource(self, tensors, tag=0):
-            traffic.messages.append(Message("recv", None, None, _nbytes(tensors), self.rank(),
+            traffic.messages.append(Message("recv", None, None, nbytes(tensors), self.rank(),
                                             self.size()))
             return original(self, tensors, tag)
         return recv_anysource
@@ -235,7 +251,7 @@ def _world(group) -> int:
 def _build_all_reduce(numel, device, group):
     # zeros: repeated sums stay finite, and adding zeros costs the same as adding anything else
     x = torch.zeros(numel, device=device)
-    return (lambda: dist.all_reduce(x, group=group)), x.numel() * x.element_size()
+    return (lambda: dist.all_reduce(x, group=group)), x.nbytes
 
 
 def _build_all_gather(numel, device, group):
@@ -243,7 +259,7 @@ def _build_all_gather(numel, device, group):
     per_rank = max(1, numel // n)
     inp = torch.zeros(per_rank, device=device)
     out = torch.empty(per_rank * n, device=device)
-    return (lambda: all_gather_single(out, inp, group=group)), out.numel() * out.element_size()
+    return (lambda: all_gather_single(out, inp, group=group)), out.nbytes
 
 
 def _build_reduce_scatter(numel, device, group):
@@ -251,13 +267,13 @@ def _build_reduce_scatter(numel, device, group):
     per_rank = max(1, numel // n)
     inp = torch.zeros(per_rank * n, device=device)
     out = torch.empty(per_rank, device=device)
-    return (lambda: reduce_scatter_single(out, inp, group=group)), inp.numel() * inp.element_size()
+    return (lambda: reduce_scatter_single(out, inp, group=group)), inp.nbytes
 
 
 def _build_broadcast(numel, device, group):
     x = torch.zeros(numel, device=device)
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    return (lambda: dist.broadcast(x, src=src, group=group)), x.numel() * x.element_size()
+    return (lambda: dist.broadcast(x, src=src, group=group)), x.nbytes
 
 
 BUILTIN_CASES = (
@@ -272,15 +288,17 @@ def all_reduce_case(name: str, fn: Callable[..., object]) -> Case:
     """A Case for a hand-written all-reduce `fn(tensor, group=group)` (e.g. our ring)."""
     def build(numel, device, group):
         x = torch.zeros(numel, device=device)
-        return (lambda: fn(x, group=group)), x.numel() * x.element_size()
+        return (lambda: fn(x, group=group)), x.nbytes
     return Case(name, "all_reduce", build)
 
 
 def default_sizes(smoke: bool) -> list[int]:
-    """Bytes per collective: 4 KiB .. 64 MiB by factors of 4 (smoke: 4 KiB, 256 KiB, 16 MiB)."""
+    """Bytes per collective: 4 B (one float32) .. 64 MiB by factors of 4 (smoke: 4 B, 4 KiB,
+    256 KiB, 4 MiB). The latency term of t = latency + S / bandwidth only shows in messages of a
+    few bytes, the bandwidth term only in messages of MiB: a fit needs both ends."""
     if smoke:
-        return [4 * KiB, 256 * KiB, 16 * MiB]
-    return [4 * KiB * 4 ** i for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
+        return [4, 4 * KiB, 256 * KiB, 4 * MiB]
+    return [4 * 4 ** i for i in range(13)]  # 4 B, 16 B, ..., 16 MiB, 64 MiB
 
 
 def calls_per_sample(size_bytes: int, target_bytes: int = 4 * MiB, most: int = 50) -> int:
@@ -300,7 +318,10 @@ def slowest(seconds: float, device: torch.device, group=None) -> float:
 
 def time_case(case: Case, size_bytes: int, *, device: torch.device, group=None, warmup: int = 2,
               repeats: int = 5, element_size: int = 4) -> dict:
-    """Median seconds per call of `case` at about `size_bytes` (the slowest rank's median)."""
+    """Median seconds per call of `case` at about `size_bytes` (the slowest rank's median).
+
+    The row's "size" is `size_bytes` as asked; "bytes" is nccl-tests' S for the buffers built,
+    which for all-gather and reduce-scatter rounds to a whole number of elements per rank."""
     op, actual_bytes = case.build(max(1, size_bytes // element_size), torch.device(device), group)
     calls = calls_per_sample(actual_bytes)
 
@@ -311,8 +332,8 @@ def time_case(case: Case, size_bytes: int, *, device: torch.device, group=None, 
     timing = measure(batch, warmup=warmup, repeats=repeats, device=device, barrier=True)
     seconds = slowest(timing.median / calls, torch.device(device), group)
     n = _world(group)
-    return {"op": case.name, "kind": case.kind, "bytes": actual_bytes, "seconds": seconds,
-            "algbw_GBps": algbw(actual_bytes, seconds) / 1e9,
+    return {"op": case.name, "kind": case.kind, "size": size_bytes, "bytes": actual_bytes,
+            "seconds": seconds, "algbw_GBps": algbw(actual_bytes, seconds) / 1e9,
             "busbw_GBps": busbw(case.kind, actual_bytes, seconds, n) / 1e9,
             "calls_per_sample": calls, "repeats": repeats}
 
@@ -336,7 +357,7 @@ def side_by_side(cases: Sequence[Case], size_bytes: int, *, device: torch.device
     alike, so their ratio is fairer than two separate sweeps'."""
     device = torch.device(device)
     built = [case.build(max(1, size_bytes // 4), device, group) for case in cases]
-    calls = [calls_per_sample(nbytes) for _, nbytes in built]
+    calls = [calls_per_sample(size) for _, size in built]
     samples: list[list[float]] = [[] for _ in cases]
     for i in range(warmup + rounds):
         for j, ((op, _), k) in enumerate(zip(built, calls)):
@@ -348,11 +369,11 @@ def side_by_side(cases: Sequence[Case], size_bytes: int, *, device: torch.device
                 samples[j].append(t)
     n = _world(group)
     rows = []
-    for case, (_, nbytes), times in zip(cases, built, samples):
-        seconds = slowest(sorted(times)[len(times) // 2], device, group)
-        rows.append({"op": case.name, "kind": case.kind, "bytes": nbytes, "seconds": seconds,
-                     "algbw_GBps": algbw(nbytes, seconds) / 1e9,
-                     "busbw_GBps": busbw(case.kind, nbytes, seconds, n) / 1e9, "rounds": rounds})
+    for case, (_, size), times in zip(cases, built, samples):
+        seconds = slowest(Timing(tuple(times)).median, device, group)
+        rows.append({"op": case.name, "kind": case.kind, "size": size_bytes, "bytes": size,
+                     "seconds": seconds, "algbw_GBps": algbw(size, seconds) / 1e9,
+                     "busbw_GBps": busbw(case.kind, size, seconds, n) / 1e9, "rounds": rounds})
     return rows
 
 

@@ -82,6 +82,13 @@ def notice_text(message: str) -> str:
             "this cell.")
 
 
+def notice_html(message: str) -> str:
+    """The notice as an HTML box (what `show_notice` displays in a notebook)."""
+    body = html.escape(notice_text(message)).replace("`", "")
+    return (f'<div class="{NOTICE_CLASS}" style="border-left: 6px solid #e0a800; background: #fff8e1; '
+            f'color: #333; padding: 8px 12px; margin: 4px 0;"><b>Exercise not done yet.</b> {body}</div>')
+
+
 def show_notice(message: str) -> None:
     """A visible notice: a coloured box in a notebook, one line on a terminal."""
     text = notice_text(message)
@@ -95,10 +102,7 @@ def show_notice(message: str) -> None:
         return
     from IPython.display import display
 
-    body = html.escape(text).replace("`", "")
-    box = (f'<div class="{NOTICE_CLASS}" style="border-left: 6px solid #e0a800; background: #fff8e1; '
-           f'color: #333; padding: 8px 12px; margin: 4px 0;"><b>Exercise not done yet.</b> {body}</div>')
-    display({"text/html": box, "text/plain": f"[not done yet] {text}"}, raw=True)
+    display({"text/html": notice_html(message), "text/plain": f"[not done yet] {text}"}, raw=True)
 
 
 @contextlib.contextmanager
@@ -139,19 +143,29 @@ def solved(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- stubs in source
-def stub_message(obj: Any) -> str:
-    """The stub's message if the source of `obj` (a function, method or class) still raises an
-    exercise stub, else "". Lets a test report "not implemented yet" without launching ranks."""
+def stub_messages(source: str) -> list[str]:
+    """Every exercise stub's message in `source` (adjacent string literals joined, as Python does)."""
     try:
-        source = textwrap.dedent(inspect.getsource(obj))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError):
-        return ""
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return []
+    found = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
                 and isinstance(node.exc.func, ast.Name) and node.exc.func.id == "NotImplementedError"
                 and node.exc.args and isinstance(node.exc.args[0], ast.Constant)
                 and isinstance(node.exc.args[0].value, str)
                 and node.exc.args[0].value.startswith(STUB_PREFIX)):
-            return node.exc.args[0].value
-    return ""
+            found.append(node.exc.args[0].value)
+    return found
+
+
+def stub_message(obj: Any) -> str:
+    """The stub's message if the source of `obj` (a function, method or class) still raises an
+    exercise stub, else "". Lets a test report "not implemented yet" without launching ranks."""
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+    found = stub_messages(source)
+    return found[0] if found else ""

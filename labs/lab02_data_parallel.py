@@ -9,12 +9,14 @@ the master parameters on device 0. Its CUDA primitives refuse CPU tensors and on
 `nn.DataParallel` is a pass-through, so `ThreadDataParallel` below runs the same pipeline over
 replicas on one device, which works everywhere and can be measured.
 
-Homework (tests: tests/public/test_lab02_data_parallel.py): `scatter`, `replicate`,
-`parallel_apply` and `gather`.
+Homework (`./run.sh check 02`; tests: tests/public/test_lab02_data_parallel.py): `scatter`,
+`replicate`, `parallel_apply` and `gather`.
 
 Under torchrun, `main()` trains the same model for the same steps three ways in one run and prints
 the throughput of each: one process; ThreadDataParallel with world_size replicas (threads) in one
 process; world_size processes that average gradients with all_reduce (what DDP does, notebook 03).
+The first and the last need no exercise; while the four steps are stubs (student edition) the
+threads way is reported as not done yet and the others still run.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ import torch.nn.functional as F
 from helpers import pick
 from helpers.bench import measure
 from helpers.dist import DistContext, distributed, gpu_count, synchronize
+from helpers.exercise import attempt
+from helpers.tensors import divide, nbytes, seeded
 
 # ----------------------------------------------------------------------------------------------
 # The four steps of DataParallel (the exercises)
@@ -171,10 +175,9 @@ def gather(outputs: Sequence[Any]) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 FORWARD_PHASES = ("scatter", "replicate", "apply", "gather")
-
-
-def nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+# What crosses replica 0's link in one step, by direction (device 0's link on GPUs)
+SENT_BY_REPLICA0 = ("scatter inputs", "broadcast params", "scatter output grads")
+RECEIVED_BY_REPLICA0 = ("gather outputs", "reduce param grads", "gather input grads")
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -209,6 +212,16 @@ class StepRecord:
     @property
     def moved_total(self) -> int:
         return sum(self.moved.values())
+
+    @property
+    def sent(self) -> int:
+        """Bytes replica 0 sent out: input pieces, parameter copies, output gradients."""
+        return sum(self.moved[k] for k in SENT_BY_REPLICA0)
+
+    @property
+    def received(self) -> int:
+        """Bytes replica 0 received: outputs, parameter gradients, input gradients."""
+        return sum(self.moved[k] for k in RECEIVED_BY_REPLICA0)
 
 
 class ThreadDataParallel(nn.Module):
@@ -251,30 +264,30 @@ class ThreadDataParallel(nn.Module):
     def _account(self, seconds, chunks, replicas, outputs, gathered) -> StepRecord:
         record = StepRecord(len(chunks), seconds)
         names = [n for n, _ in self.module.named_parameters()]
-        param_bytes = sum(nbytes(p) for p in self.module.parameters())
-        grad_bytes = sum(nbytes(p) for p in self.module.parameters() if p.requires_grad)
+        param_bytes = nbytes(self.module.parameters())
+        grad_bytes = nbytes(p for p in self.module.parameters() if p.requires_grad)
         moved = record.moved
-        moved.update({"scatter inputs": sum(nbytes(c) for c in chunks[1:]),
+        moved.update({"scatter inputs": nbytes(chunks[1:]),
                       "broadcast params": 0, "gather outputs": 0,
                       "scatter output grads": 0, "reduce param grads": 0, "gather input grads": 0})
 
         def count(key, held=None):
             def hook(grad):  # runs during backward, with the gradient that crosses replica 0
-                moved[key] += nbytes(grad)
+                moved[key] += grad.nbytes
                 if held is not None:
-                    held["gradients"] = held.get("gradients", 0) + nbytes(grad)
+                    held["gradients"] = held.get("gradients", 0) + grad.nbytes
             return hook
 
         for index, (chunk, replica, out) in enumerate(zip(chunks, replicas, outputs)):
             weights = [replica_weight(replica, n) for n in names]
-            held = {"parameters": param_bytes if index == 0 else sum(nbytes(w) for w in weights),
+            held = {"parameters": param_bytes if index == 0 else nbytes(weights),
                     "gradients": grad_bytes if index == 0 and torch.is_grad_enabled() else 0,
-                    "input chunk": nbytes(chunk),
-                    "output chunk": sum(nbytes(t) for t in tensors_in(out))}
+                    "input chunk": chunk.nbytes,
+                    "output chunk": nbytes(tensors_in(out))}
             record.held.append(held)
             if index == 0:
                 continue
-            moved["broadcast params"] += sum(nbytes(w) for w in weights)
+            moved["broadcast params"] += nbytes(weights)
             moved["gather outputs"] += held["output chunk"]
             for w in weights:
                 if w.requires_grad:
@@ -284,11 +297,11 @@ class ThreadDataParallel(nn.Module):
                     t.register_hook(count("scatter output grads"))
             if chunk.requires_grad:
                 chunk.register_hook(count("gather input grads"))
-        record.held[0]["gathered outputs"] = sum(nbytes(t) for t in tensors_in(gathered))
+        record.held[0]["gathered outputs"] = nbytes(tensors_in(gathered))
         for t in tensors_in(gathered):
             if t.requires_grad:  # d loss / d output is materialised on replica 0 too
                 def on_replica0(grad, held=record.held[0]):
-                    held["output grads"] = held.get("output grads", 0) + nbytes(grad)
+                    held["output grads"] = held.get("output grads", 0) + grad.nbytes
                 t.register_hook(on_replica0)
         return record
 
@@ -298,23 +311,14 @@ class ThreadDataParallel(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-def int_divide(numerator: int, denominator: int, what: str) -> int:
-    if denominator <= 0 or numerator % denominator:
-        raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")
-    return numerator // denominator
-
-
 def make_mlp(width: int, depth: int, num_classes: int, seed: int = 0) -> nn.Module:
     """A ReLU MLP, (B, width) -> (B, num_classes), initialised identically for a given seed."""
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, num_classes))
-    model = nn.Sequential(*layers)
-    torch.random.set_rng_state(generator_state)
-    return model
+    with seeded(seed):
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        layers.append(nn.Linear(width, num_classes))
+        return nn.Sequential(*layers)
 
 
 def make_batch(batch_size: int, width: int, num_classes: int, seed: int = 1):
@@ -363,9 +367,11 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
 
 
 def three_ways(ctx: DistContext, *, width: int, depth: int, num_classes: int, global_batch: int,
-               steps: int, warmup: int = 2, lr: float = 0.05) -> list[dict]:
-    """The same training run three ways; returns one row per way (throughputs on rank 0)."""
-    local_batch = int_divide(global_batch, ctx.world_size, "global batch over ranks")
+               steps: int, warmup: int = 2, lr: float = 0.05) -> dict[str, Any]:
+    """The same training run three ways: {"rows": one row per way that ran (throughputs on rank
+    0), "threads": {} or, while the four steps are stubs, the `{"unsolved": message}` record of
+    the ThreadDataParallel way (the other ways still run)}."""
+    local_batch = divide(global_batch, ctx.world_size, "the global batch over the ranks")
     x, y = make_batch(global_batch, width, num_classes)
     x, y = x.to(ctx.device), y.to(ctx.device)
     loss_on = lambda inputs, targets: (lambda model: F.cross_entropy(model(inputs), targets))
@@ -373,6 +379,7 @@ def three_ways(ctx: DistContext, *, width: int, depth: int, num_classes: int, gl
                   samples_per_step=global_batch)
     rows: list[dict] = []
     trained: dict[str, nn.Module] = {}
+    threads: dict[str, str] = {}
 
     # 1 and 2 run on rank 0 alone; the other ranks wait at the barrier (blocked, not computing)
     if ctx.rank == 0:
@@ -381,8 +388,12 @@ def three_ways(ctx: DistContext, *, width: int, depth: int, num_classes: int, gl
         trained["one process"] = single
         tdp = ThreadDataParallel(make_mlp(width, depth, num_classes).to(ctx.device), ctx.world_size)
         name = f"{ctx.world_size} threads (ThreadDataParallel)"
-        rows.append(run_way(name, tdp, loss_on(x, y), **common))
-        trained[name] = tdp.module
+        row = attempt(run_way, name, tdp, loss_on(x, y), **common)
+        if "unsolved" in row:
+            threads = row
+        else:
+            rows.append(row)
+            trained[name] = tdp.module
         if ctx.device.type == "cuda" and gpu_count() >= ctx.world_size >= 2:
             dp = nn.DataParallel(make_mlp(width, depth, num_classes).to(ctx.device),
                                  device_ids=list(range(ctx.world_size)))
@@ -405,14 +416,14 @@ def three_ways(ctx: DistContext, *, width: int, depth: int, num_classes: int, gl
     row["rank_diff"] = max((p.detach() - r).abs().max().item()
                            for p, r in zip(replica.parameters(), reference))
     if ctx.rank != 0:
-        return [row]
+        return {"rows": [row], "threads": threads}
     rows.append(row)
     trained[name] = replica
     for row in rows:  # same data, same init, same steps: the parameters must agree
         row["param_diff_vs_one_process"] = max_param_diff(trained[row["way"]],
                                                           trained["one process"])
         row["speedup"] = row["samples_per_s"] / rows[0]["samples_per_s"]
-    return rows
+    return {"rows": rows, "threads": threads}
 
 
 def main() -> None:
@@ -422,11 +433,12 @@ def main() -> None:
         ctx.print0(f"lab 02: the same {config['steps']}-step SGD run three ways, "
                    f"{ctx.world_size} workers, device {ctx.device}, "
                    f"{torch.get_num_threads()} torch thread(s) per process; config {config}")
-        rows = three_ways(ctx, **config)
-        ctx.report(config=config, rows=rows, torch_threads=torch.get_num_threads())
-        if ctx.is_main:
+        ways = three_ways(ctx, **config)
+        ctx.report(config=config, **ways, torch_threads=torch.get_num_threads())
+        if ctx.rank == 0:
             from helpers.show import table
-            table(rows, ["way", "step_s", "samples_per_s", "speedup", "param_diff_vs_one_process"],
+            table(ways["rows"], ["way", "step_s", "samples_per_s", "speedup",
+                                 "param_diff_vs_one_process"],
                   title="one training step, three ways (throughput from the median step)")
             ctx.print0("Threads share one process and its GIL and re-replicate the model every "
                        "step; processes replicate once and only exchange gradients: notebook 03.")

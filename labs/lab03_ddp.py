@@ -18,16 +18,20 @@ process takes with batch N*B. The path, each step a small change to the one befo
    overlap. This is the design of `torch.nn.parallel.DistributedDataParallel` (Li et al. 2020,
    "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", arXiv:2006.15704).
 
-Every method counts its collectives and bytes in a `CountingComm`, which the benchmark
-(labs/lab03_ddp_bench.py) and the tests read.
+Every method counts its collectives and bytes in a `CountingComm` and times them (the timeline of
+labs/lab03_ddp_bench.py). Running this file shows the buckets torch's DDP all-reduces per step, next
+to BucketedDDP's: in torch 2.13 (`compute_bucket_size_limits`, torch/nn/parallel/distributed.py)
+step 0 sends one bucket (unless `find_unused_parameters=True`), later steps buckets rebuilt in the
+order the gradients arrived; only `bucket_cap_mb=None` caps the first bucket at 1 MiB (25 MiB after).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import itertools
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,23 +40,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers import pick
 from helpers.dist import DistContext, distributed
+from helpers.exercise import attempt
 from helpers.show import table
-
-METHODS = ("naive", "flat", "overlapped", "bucketed", "torch_ddp")
-
-
-def divide(numerator: int, denominator: int) -> int:
-    """numerator / denominator as an int, or a ValueError saying what does not divide."""
-    if denominator <= 0 or numerator % denominator != 0:
-        raise ValueError(f"{numerator} is not divisible by {denominator}")
-    return numerator // denominator
-
+from helpers.tensors import ddp_device_ids, divide, seeded
 
 class CountingComm:
     """SUM all-reduces on `group` that count what they send (the numbers tests and tables read).
 
     `collectives` and `bytes` count launches, `blocking` the launches that were not async,
-    `waits` the waits on async ones; `launched_numels` lists the size of each launch in order.
+    `waits` the waits on async ones; `launched_numels` lists the size of each launch in order, and
+    `timeline` has one record per launch: its bytes, `launch_s` and `finish_s` (time.perf_counter();
+    the finish is noted by a callback on the work's future, on the CPU when gloo completes it; on
+    CUDA it is the host-side completion, use torch.profiler for the device's own timeline).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None):
@@ -66,21 +65,33 @@ class CountingComm:
         self.blocking = 0
         self.waits = 0
         self.launched_numels: list[int] = []
+        self.timeline: list[dict] = []
 
-    def record(self, tensor: torch.Tensor) -> None:
+    def record(self, tensor: torch.Tensor) -> dict:
         self.collectives += 1
-        self.bytes += tensor.numel() * tensor.element_size()
+        self.bytes += tensor.nbytes
         self.launched_numels.append(tensor.numel())
+        self.timeline.append({"bytes": tensor.nbytes, "launch_s": time.perf_counter(), "finish_s": None})
+        return self.timeline[-1]
 
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
         """In-place SUM over the group; with `async_op=True` returns a handle to `.wait()` on."""
-        self.record(tensor)
+        event = self.record(tensor)
         # SUM then divide (not ReduceOp.AVG): AVG on gloo only exists in recent torch versions.
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         if not async_op:
             self.blocking += 1
+            event["finish_s"] = time.perf_counter()
             return None
+        mark_finish(work.get_future(), event)
         return CountedWork(work, self)
+
+
+def mark_finish(future: torch.futures.Future, event: dict) -> None:
+    """Note in `event["finish_s"]` when `future` completes, without waiting for it."""
+    def done(fut: torch.futures.Future) -> None:
+        event["finish_s"] = time.perf_counter()
+    future.then(done)
 
 
 class CountedWork:
@@ -170,15 +181,16 @@ def plan_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int) -> list[
 
     Backward computes gradients from the last layer to the first, so walk `params` from the LAST
     index to the first, adding each parameter to the current bucket; start a new bucket when
-    adding the parameter would take the bucket's size (sum of numel * element_size, in bytes)
+    adding the parameter would take the bucket's size (the sum of `Tensor.nbytes`, in bytes)
     above `bucket_cap_bytes`, or when its dtype or device differs from the bucket's (one flat
     buffer per bucket). A parameter larger than the cap gets a bucket of its own; a bucket is
     never empty.
 
     Returns a list of buckets, each a list of indices into `params`. Examples: four float32
-    parameters of 25 elements (100 bytes each) with a cap of 250 bytes give [[3, 2], [1, 0]];
-    with a cap of 0 every parameter is alone: [[3], [2], [1], [0]]; with a cap of 10**9 they all
-    share one: [[3, 2, 1, 0]]. The tests check these rules on several layouts.
+    parameters of 25 elements (100 bytes each) with a cap of 250 bytes give [[3, 2], [1, 0]], and
+    so does a cap of 200 (a bucket may fill the cap exactly); with a cap of 0 every parameter is
+    alone: [[3], [2], [1], [0]]; with a cap of 10**9 they all share one: [[3, 2, 1, 0]]. The tests
+    check these rules on several layouts.
     """
     ### BEGIN SOLUTION
     buckets: list[list[int]] = []
@@ -186,7 +198,7 @@ def plan_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int) -> list[
     current_bytes = 0
     for index in reversed(range(len(params))):
         param = params[index]
-        size = param.numel() * param.element_size()
+        size = param.nbytes
         if current:
             first = params[current[0]]
             same_kind = param.dtype == first.dtype and param.device == first.device
@@ -288,8 +300,9 @@ class BucketedDDP(nn.Module):
         would remove the overlap. Launching only in bucket order keeps the sequence of
         collectives identical on every rank, which all-reduce requires.
 
-        The tests check that every bucket is launched before `loss.backward()` returns and that
-        none is waited on before it returns.
+        The tests check the overlap itself: when the step's last gradient (in the last bucket)
+        becomes ready, every earlier bucket must already be on its way; every bucket is launched
+        before `loss.backward()` returns, and none is waited on before it returns.
         """
         ### BEGIN SOLUTION
         bucket_index, position = self.bucket_of[index]
@@ -335,61 +348,31 @@ class BucketedDDP(nn.Module):
         ### END SOLUTION
 
 
-# --- the same training step with each method --------------------------------------------------
-
-@dataclass
-class DataParallel:
-    """A model wrapped for one method, with the call that finishes gradient averaging."""
-
-    name: str
-    model: nn.Module
-    sync: Callable[[], None]   # call after loss.backward(), before optimizer.step()
-    comm: CountingComm         # what the method sent
-
+# --- torch DDP, instrumented, and the data every lab of notebook 03 trains on ------------------
 
 def count_ddp_comm(ddp: DDP, comm: CountingComm) -> None:
-    """Count torch DDP's bucket all-reduces with a comm hook that calls DDP's default all-reduce."""
+    """Count torch DDP's bucket all-reduces (and time them) with a comm hook that calls DDP's
+    default all-reduce."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     def hook(state, bucket):  # no annotations: DDP checks them, and they are strings here
-        state.record(bucket.buffer())
-        return allreduce_hook(state.group, bucket)
+        event = state.record(bucket.buffer())
+        future = allreduce_hook(state.group, bucket)
+        mark_finish(future, event)
+        return future
 
     ddp.register_comm_hook(comm, hook)
 
 
-def wrap(method: str, module: nn.Module, device: torch.device, group=None,
-         bucket_cap_mb: float = 25.0, count_torch_ddp: bool = True) -> DataParallel:
-    """`module` (already on `device`) prepared for data-parallel training with `method`."""
-    if method in ("naive", "flat"):
-        comm = CountingComm(group)
-        broadcast_parameters(module, group)
-        average = average_gradients if method == "naive" else average_gradients_flat
-        return DataParallel(method, module, lambda: average(module, comm), comm)
-    if method == "overlapped":
-        ddp = OverlappedDDP(module, group)
-        return DataParallel(method, ddp, ddp.finish_gradient_synchronization, ddp.comm)
-    if method == "bucketed":
-        ddp = BucketedDDP(module, bucket_cap_mb, group)
-        return DataParallel(method, ddp, ddp.finish_gradient_synchronization, ddp.comm)
-    if method == "torch_ddp":
-        device_ids = [device.index] if device.type == "cuda" else None
-        ddp = DDP(module, device_ids=device_ids, process_group=group, bucket_cap_mb=bucket_cap_mb)
-        comm = CountingComm(group)
-        if count_torch_ddp:
-            count_ddp_comm(ddp, comm)
-        return DataParallel(method, ddp, lambda: None, comm)
-    raise ValueError(f"unknown method {method!r}; pick one of {METHODS}")
-
-
 def make_mlp(sizes: Sequence[int], seed: int, device: torch.device | str = "cpu") -> nn.Sequential:
-    """Linear layers of the given widths with ReLU between, initialised from `seed`."""
-    torch.manual_seed(seed)
+    """Linear layers of the given widths with ReLU between, initialised from `seed` (the caller's
+    random stream is left as it was)."""
     layers: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        layers.append(nn.Linear(fan_in, fan_out))
-        if i < len(sizes) - 2:
-            layers.append(nn.ReLU())
+    with seeded(seed):
+        for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(nn.Linear(fan_in, fan_out))
+            if i < len(sizes) - 2:
+                layers.append(nn.ReLU())
     return nn.Sequential(*layers).to(device)
 
 
@@ -404,7 +387,7 @@ def global_batch(step: int, global_batch_size: int, in_features: int, out_featur
 
 def local_shard(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank `rank`'s contiguous slice of the global batch (dim 0): (N*B, ...) -> (B, ...)."""
-    local = divide(tensor.shape[0], world_size)
+    local = divide(tensor.shape[0], world_size, "the global batch over the data-parallel ranks")
     return tensor[rank * local:(rank + 1) * local]
 
 
@@ -416,83 +399,53 @@ def flat_grads(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().reshape(-1) for p in module.parameters()])
 
 
-def spread_over_ranks(tensor: torch.Tensor, group=None) -> float:
-    """max |a_i - b_i| over elements and pairs of ranks: 0.0 means identical on every rank."""
-    high, low = tensor.detach().clone(), tensor.detach().clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    return (high - low).abs().max().item()
-
-
-def train_and_compare(method: str, ctx: DistContext, sizes: Sequence[int], steps: int,
-                      local_batch_size: int, lr: float = 0.05, bucket_cap_mb: float = 25.0) -> dict:
-    """Train with `method` on N ranks and, on the side, one process on the global batch.
-
-    Every rank initialises its model from a different seed on purpose: the wrappers broadcast
-    rank 0's parameters. The reference starts from rank 0's initialisation (seed 0).
-    """
-    model = make_mlp(sizes, seed=ctx.rank, device=ctx.device)
-    dp = wrap(method, model, ctx.device, bucket_cap_mb=bucket_cap_mb)
-    reference = make_mlp(sizes, seed=0, device=ctx.device)
-    opt = torch.optim.SGD(dp.model.parameters(), lr=lr)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
-    global_batch_size = local_batch_size * ctx.world_size
-    losses, grad_diffs, launched_in_backward = [], [], []
+def torch_ddp_buckets(ctx: DistContext, sizes: Sequence[int], bucket_cap_mb: float | None,
+                      steps: int, local_batch_size: int = 8, **ddp_kwargs) -> list[list[int]]:
+    """The bytes of each bucket torch DDP all-reduces, per step: [[step 0's buckets], ...]."""
+    model = make_mlp(sizes, seed=0, device=ctx.device)
+    ddp = DDP(model, device_ids=ddp_device_ids(ctx.device), bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+    comm = CountingComm()
+    count_ddp_comm(ddp, comm)
+    per_step = []
     for step in range(steps):
-        x, y = global_batch(step, global_batch_size, sizes[0], sizes[-1], ctx.device)
-        # this rank: its own slice, so its loss differs from the other ranks' losses
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(dp.model(local_shard(x, ctx.rank, ctx.world_size)),
-                                      local_shard(y, ctx.rank, ctx.world_size))
-        before = dp.comm.collectives
-        loss.backward()
-        launched_in_backward.append(dp.comm.collectives - before)
-        dp.sync()
-        # the reference: one process, the whole global batch
-        ref_opt.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        grad_diffs.append((flat_grads(model) - flat_grads(reference)).abs().max().item())
-        opt.step()
-        ref_opt.step()
-        losses.append(loss.item())
-    params = flat_params(model)
-    return {
-        "method": method,
-        "losses": losses,                                      # this rank's local losses
-        "collectives_per_step": dp.comm.collectives / steps,
-        "bytes_per_step": dp.comm.bytes / steps,
-        "launched_in_backward_per_step": sum(launched_in_backward) / steps,
-        "max_grad_diff_vs_reference": max(grad_diffs),
-        "max_param_diff_vs_reference": (params - flat_params(reference)).abs().max().item(),
-        "param_spread_over_ranks": spread_over_ranks(params),
-        "grad_spread_over_ranks": spread_over_ranks(flat_grads(model)),
-        "num_params": len(list(model.parameters())),
-    }
+        x, _ = global_batch(step, local_batch_size, sizes[0], sizes[-1], ctx.device)
+        start = len(comm.timeline)
+        ddp(x).square().mean().backward()
+        per_step.append([event["bytes"] for event in comm.timeline[start:]])
+    return per_step
+
+
+def bucketed_ddp_buckets(sizes: Sequence[int], bucket_cap_mb: float) -> list[int]:
+    """The bytes of each bucket BucketedDDP's `plan_buckets` makes (the same on every step)."""
+    params = list(make_mlp(sizes, seed=0).parameters())
+    return [sum(params[i].nbytes for i in bucket)
+            for bucket in plan_buckets(params, int(bucket_cap_mb * 2**20))]
 
 
 def run(ctx: DistContext) -> dict:
-    sizes = pick([64, 256, 256, 256, 10], [16, 32, 32, 4])
-    steps = pick(5, 3)
-    local_batch_size = 8
-    ctx.print0(f"{ctx.world_size} ranks, local batch {local_batch_size} (global "
-               f"{local_batch_size * ctx.world_size}), MLP {sizes}, {steps} SGD steps per method")
-    rows = []
-    for method in METHODS:
-        try:
-            rows.append(train_and_compare(method, ctx, sizes, steps, local_batch_size,
-                                          bucket_cap_mb=0.5))
-        except NotImplementedError as exc:  # the student edition, before the homework is done
-            ctx.print0(f"{method}: skipped, not implemented yet ({exc})")
-    ctx.report(compare=rows, sizes=sizes, steps=steps, local_batch_size=local_batch_size)
-    ctx.print0(f"rank 0's local losses (naive): {[round(v, 4) for v in rows[0]['losses']]}")
+    """Which buckets each wrapper all-reduces, step by step: torch DDP's rule vs BucketedDDP's."""
+    width, depth = 256, pick(24, 6)  # above 1 MiB of gradients even in smoke mode
+    sizes, steps, small_cap = [width] * (depth + 1), 3, pick(1.0, 0.5)  # cap in MiB
+    model_bytes = depth * (width * width + width) * 4
+    ctx.print0(f"MLP {depth} x Linear({width}, {width}): {model_bytes / 2**20:.2f} MiB of gradients")
+    configs = {"torch DDP, bucket_cap_mb=None (its default)": dict(bucket_cap_mb=None),
+               "torch DDP, bucket_cap_mb=25": dict(bucket_cap_mb=25.0),
+               f"torch DDP, bucket_cap_mb={small_cap:g}": dict(bucket_cap_mb=small_cap),
+               f"torch DDP, bucket_cap_mb={small_cap:g}, find_unused_parameters=True":
+                   dict(bucket_cap_mb=small_cap, find_unused_parameters=True)}
+    buckets = {name: torch_ddp_buckets(ctx, sizes, steps=steps, **kwargs)
+               for name, kwargs in configs.items()}
+    ours = attempt(bucketed_ddp_buckets, sizes, small_cap)
+    buckets[f"BucketedDDP, bucket_cap_mb={small_cap:g}"] = ours if "unsolved" in ours else [ours] * steps
+    rule = {"buckets_per_step": buckets, "model_bytes": model_bytes, "width": width,
+            "depth": depth, "small_cap_mb": small_cap}
+    ctx.report(bucket_rule=rule)
     if ctx.rank == 0:
-        table([{"method": r["method"], "collectives/step": r["collectives_per_step"],
-                "KiB/step": r["bytes_per_step"] / 1024,
-                "launched in backward": r["launched_in_backward_per_step"],
-                "max |param - 1-process|": r["max_param_diff_vs_reference"],
-                "param spread over ranks": r["param_spread_over_ranks"]} for r in rows],
-              title=f"{steps} steps on {ctx.world_size} ranks vs one process with the global batch")
-    return {"compare": rows}
+        table([{"wrapper": name, **{f"step {s}: buckets (KiB)": [round(b / 1024) for b in per[s]]
+                                    for s in (0, 1)}}
+               for name, per in buckets.items() if "unsolved" not in per],
+              title="The buckets all-reduced in each step")
+    return {"bucket_rule": rule}
 
 
 def main() -> None:

@@ -1,33 +1,51 @@
-"""Lab 03: what buckets and overlap buy, measured: one training step with each way of averaging.
+"""Lab 03: what buckets and overlap buy, measured: step times, an overlap timeline, an alpha-beta model.
 
 Run:  ./run.sh 03      (or: ./run.sh labs/lab03_ddp_bench.py)
 
-The same MLP, the same batch, the same SGD step, timed with every method of labs/lab03_ddp.py
-(naive per-parameter all-reduce, one flat all-reduce, per-parameter async all-reduce overlapped
-with backward, BucketedDDP at a few bucket sizes) and torch's DistributedDataParallel. For each:
-median step time, collectives per step, bytes per step, and how many collectives were launched
-before `loss.backward()` returned. Methods are timed in interleaved rounds, so a burst of load on
-a shared machine hits them all alike; compare ratios from one run, not numbers across runs.
+The same MLP, the same batch, the same SGD step with every method of labs/lab03_ddp.py (naive,
+flat, overlapped, BucketedDDP) and torch's DistributedDataParallel, at bucket caps well below the
+model's size, so every bucketed row really has several buckets (the bucket count is in each row).
+Three measurements:
+
+1. Step time: median over interleaved rounds (a burst of load on a shared machine hits every
+   variant alike; compare ratios from one run, never numbers across runs).
+2. A timeline of one step (time.perf_counter on every rank): when each parameter's gradient was
+   ready during backward, and when each bucket's all-reduce was launched and finished. The
+   exposed tail is the time from the last gradient to the last all-reduce's finish: the part of
+   the communication that backward could not hide.
+3. The alpha-beta model (Hockney 1994): an all-reduce of S bytes takes alpha + S / bandwidth,
+   fitted here from all-reduces timed on their own. With gradients ready at the measured times
+   and buckets going out one after another, the model predicts each variant's exposed tail, and,
+   for equal buckets over a backward of T seconds, the bucket size with the smallest tail (the
+   question of Stanford CS336's assignment 2, 2025: best bucket size from s, w, o and n_b).
 """
 from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from helpers import pick
 from helpers.bench import measure
-from helpers.dist import DistContext, distributed
+from helpers.comm_bench import BUILTIN_CASES, fit_latency_bandwidth, sweep
+from helpers.dist import DistContext, distributed, synchronize
+from helpers.exercise import attempt
 from helpers.show import table
-from labs.lab03_ddp import DataParallel, make_mlp, wrap
+from labs.lab03_ddp import make_mlp
+from labs.lab03_equivalence import DataParallel, wrap
 
-REFERENCE = "torch_ddp 25MB"
+KiB, MiB = 1024, 2**20
 
 
-def variants(bucket_sizes_mb: list[float]) -> list[tuple[str, str, float]]:
+def variants(caps_mb: Sequence[float]) -> list[tuple[str, str, float | None]]:
     """(label, method, bucket_cap_mb) for every configuration the benchmark runs."""
-    out = [("naive", "naive", 0.0), ("flat", "flat", 0.0), ("overlapped", "overlapped", 0.0)]
-    out += [(f"bucketed {mb:g}MB", "bucketed", mb) for mb in bucket_sizes_mb]
-    out.append((REFERENCE, "torch_ddp", 25.0))
+    out = [("naive", "naive", None), ("flat", "flat", None), ("overlapped", "overlapped", None),
+           ("torch DDP default", "torch_ddp", None)]
+    for cap in caps_mb:
+        out += [(f"torch DDP {cap:g} MiB", "torch_ddp", cap), (f"BucketedDDP {cap:g} MiB", "bucketed", cap)]
     return out
 
 
@@ -45,72 +63,210 @@ def make_step(dp: DataParallel, opt: torch.optim.Optimizer, x: torch.Tensor, y: 
     return step
 
 
+def timed_step(dp: DataParallel, model: nn.Module, opt, x, y, device) -> dict:
+    """One step with a timeline: gradient-ready times, buckets' launch and finish (ms from the
+    start of backward), and the exposed tail."""
+    ready: list[float] = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+             for p in model.parameters()]
+    opt.zero_grad(set_to_none=False)
+    loss = nn.functional.mse_loss(dp.model(x), y)
+    first = len(dp.comm.timeline)
+    synchronize(device)
+    start = time.perf_counter()
+    loss.backward()
+    backward_end = time.perf_counter()
+    dp.sync()
+    synchronize(device)
+    synced = time.perf_counter()
+    opt.step()
+    for hook in hooks:
+        hook.remove()
+    events = dp.comm.timeline[first:]
+    last_finish = max((e["finish_s"] or synced) for e in events)
+    ms = lambda t: 1e3 * (t - start)
+    return {"ready_ms": [ms(t) for t in ready], "backward_end_ms": ms(backward_end),
+            "synced_ms": ms(synced),
+            "buckets": [{"bytes": e["bytes"], "launch_ms": ms(e["launch_s"]),
+                         "finish_ms": ms(e["finish_s"] or synced)} for e in events],
+            "tail_ms": max(0.0, 1e3 * (last_finish - max(ready)))}
+
+
 def bench(ctx: DistContext, width: int, depth: int, local_batch_size: int,
-          bucket_sizes_mb: list[float], rounds: int, repeats: int) -> list[dict]:
-    """Step time (median over rounds * repeats), collectives, bytes for every variant."""
+          caps_mb: Sequence[float], rounds: int, repeats: int) -> list[dict]:
+    """Per variant: collectives, buckets, bytes, launches during backward, a timeline, step time."""
     sizes = [width] * (depth + 1)
     gen = torch.Generator().manual_seed(ctx.rank)  # each rank its own local batch
     x = torch.randn(local_batch_size, width, generator=gen).to(ctx.device)
     y = torch.randn(local_batch_size, width, generator=gen).to(ctx.device)
     rows, steps = [], []
-    for label, method, cap_mb in variants(bucket_sizes_mb):
-        # Counting pass: torch DDP counts through a comm hook, so it gets its own instance here
-        # and is timed below without the hook (its built-in C++ all-reduce path).
-        try:
-            counted = wrap(method, make_mlp(sizes, 0, ctx.device), ctx.device,
-                           bucket_cap_mb=cap_mb)
-            count_step = make_step(counted, torch.optim.SGD(counted.model.parameters(), lr=1e-3),
-                                   x, y)
+    for label, method, cap_mb in variants(caps_mb):
+        def counted_run():
+            model = make_mlp(sizes, 0, ctx.device)
+            dp = wrap(method, model, ctx.device, bucket_cap_mb=cap_mb)
+            opt = torch.optim.SGD(dp.model.parameters(), lr=1e-3)
+            step = make_step(dp, opt, x, y)
             for _ in range(2):  # torch DDP rebuilds its buckets after the first iteration
-                count_step()
-        except NotImplementedError as exc:  # the student edition, before the homework is done
-            ctx.print0(f"{label}: skipped, not implemented yet ({exc})")
+                step()
+            dp.comm.reset()
+            launched = step()
+            row = {"method": label, "buckets/step": dp.comm.collectives,
+                   "MB/step": dp.comm.bytes / 1e6, "launched in backward": launched}
+            row["timeline"] = timed_step(dp, model, opt, x, y, ctx.device)
+            row["tail ms"] = row["timeline"]["tail_ms"]
+            return row, dp, opt
+        counted = attempt(counted_run)
+        if isinstance(counted, dict):  # {"unsolved": ...}: the student edition, before BucketedDDP
+            rows.append({"method": label, **counted})
             continue
-        counted.comm.reset()
-        launched = count_step()
-        rows.append({"method": label, "collectives/step": counted.comm.collectives,
-                     "MB/step": counted.comm.bytes / 2**20, "launched in backward": launched})
-        dp = counted if method != "torch_ddp" else wrap(
-            method, make_mlp(sizes, 0, ctx.device), ctx.device, bucket_cap_mb=cap_mb,
-            count_torch_ddp=False)
-        step = make_step(dp, torch.optim.SGD(dp.model.parameters(), lr=1e-3), x, y)
-        measure(step, warmup=1, repeats=1, device=ctx.device, barrier=True)
-        steps.append(step)
-    samples: list[list[float]] = [[] for _ in steps]
+        row, dp, opt = counted
+        if method == "torch_ddp":  # timed without the counting hook: DDP's own C++ all-reduce
+            dp = wrap(method, make_mlp(sizes, 0, ctx.device), ctx.device, bucket_cap_mb=cap_mb,
+                      count_torch_ddp=False)
+            opt = torch.optim.SGD(dp.model.parameters(), lr=1e-3)
+        step = make_step(dp, opt, x, y)
+        measure(step, warmup=2, repeats=1, device=ctx.device, barrier=True)
+        rows.append(row)
+        steps.append((row, step))
+    samples: dict[str, list[float]] = {row["method"]: [] for row, _ in steps}
     for _ in range(rounds):  # interleaved: every variant sees the same load
-        for i, step in enumerate(steps):
-            samples[i] += measure(step, warmup=0, repeats=repeats, device=ctx.device,
-                                  barrier=True).samples
-    for row, times in zip(rows, samples):
-        times.sort()
+        for row, step in steps:
+            samples[row["method"]] += measure(step, warmup=0, repeats=repeats, device=ctx.device,
+                                              barrier=True).samples
+    for row, _ in steps:
+        times = sorted(samples[row["method"]])
         row["step ms"] = 1e3 * times[len(times) // 2]
-    ref_ms = next(r["step ms"] for r in rows if r["method"] == REFERENCE)
-    for row in rows:
-        row["vs torch DDP"] = row["step ms"] / ref_ms
     return rows
 
 
+# --- the alpha-beta model ------------------------------------------------------------------------
+
+def serial_tail(ready_s: Sequence[float], bucket_bytes: Sequence[int], latency_s: float,
+                bandwidth: float) -> float:
+    """Exposed tail when bucket i is ready at ready_s[i] and the all-reduces go out one after
+    another over one link, each taking latency_s + bytes / bandwidth (seconds)."""
+    finish = -math.inf
+    for ready, size in zip(ready_s, bucket_bytes):
+        finish = max(finish, ready) + latency_s + size / bandwidth
+    return max(0.0, finish - max(ready_s))
+
+
+def uniform_tail(total_bytes: int, backward_s: float, bucket_bytes: int, latency_s: float,
+                 bandwidth: float) -> float:
+    """serial_tail for gradients produced at a steady rate over `backward_s` seconds, cut into
+    buckets of `bucket_bytes` (the last one holds the rest). With n equal buckets and c = latency
+    + bucket / bandwidth this is max(c, T/n + n*c - T): c when the link keeps up, the backlog
+    when it does not."""
+    n = max(1, math.ceil(total_bytes / bucket_bytes))
+    sizes = [bucket_bytes] * (n - 1) + [total_bytes - bucket_bytes * (n - 1)]
+    done, ready = 0, []
+    for size in sizes:
+        done += size
+        ready.append(backward_s * done / total_bytes)
+    return serial_tail(ready, sizes, latency_s, bandwidth)
+
+
+def best_bucket(total_bytes: int, backward_s: float, latency_s: float,
+                bandwidth: float) -> tuple[int, float]:
+    """(bucket bytes, predicted tail in s) minimising uniform_tail over sizes 1 KiB..the model."""
+    candidates = sorted({min(total_bytes, int(KiB * 2 ** (k / 4))) for k in range(0, 4 * 40)})
+    return min(((b, uniform_tail(total_bytes, backward_s, b, latency_s, bandwidth))
+                for b in candidates), key=lambda pair: pair[1])
+
+
+def alpha_beta(ctx: DistContext, sizes_bytes: Sequence[int], repeats: int) -> dict:
+    """all-reduce time = latency + bytes / bandwidth, fitted from all-reduces timed on their own."""
+    case = next(c for c in BUILTIN_CASES if c.name == "all_reduce")
+    rows = sweep([case], sizes_bytes, device=ctx.device, warmup=1, repeats=repeats)
+    latency, bandwidth = fit_latency_bandwidth([r["bytes"] for r in rows], [r["seconds"] for r in rows])
+    return {"latency_s": latency, "bandwidth_Bps": bandwidth,
+            "points": [{"bytes": r["bytes"], "seconds": r["seconds"]} for r in rows]}
+
+
+def predictions(rows: list[dict], model: dict, total_bytes: int) -> dict:
+    """The model's tail for each measured variant, its tail curve over bucket sizes, its best size.
+
+    The backward time T comes from the flat variant (nothing is sent during its backward)."""
+    latency, bandwidth = model["latency_s"], model["bandwidth_Bps"]
+    flat = next(r for r in rows if r["method"] == "flat")["timeline"]
+    backward_s = max(flat["ready_ms"]) / 1e3
+    for row in rows:
+        if "timeline" in row:
+            buckets = row["timeline"]["buckets"]
+            last_ready = max(row["timeline"]["ready_ms"]) / 1e3
+            # a bucket launched from a hook was ready when launched; the others wait for backward
+            ready = [max(b["launch_ms"], 0.0) / 1e3 if row["launched in backward"] else last_ready
+                     for b in buckets]
+            tail = serial_tail(ready + [last_ready], [b["bytes"] for b in buckets] + [0],
+                               latency, bandwidth)
+            row["predicted tail ms"] = 1e3 * tail
+    best_bytes, best_tail = best_bucket(total_bytes, backward_s, latency, bandwidth)
+    curve = [{"bucket_bytes": b, "tail_s": uniform_tail(total_bytes, backward_s, b, latency, bandwidth)}
+             for b in sorted({min(total_bytes, int(KiB * 2 ** (k / 2))) for k in range(0, 2 * 40)})]
+    return {"backward_s": backward_s, "best_bucket_bytes": best_bytes, "best_tail_s": best_tail,
+            "curve": curve}
+
+
+# --- figures -----------------------------------------------------------------------------------
+
+def draw_timeline(ax, timeline: dict, title: str) -> None:
+    """One step on one rank: when gradients became ready (ticks on the backward row) and each
+    all-reduce from launch to finish (one row per bucket); the exposed tail shaded red."""
+    ready, buckets = timeline["ready_ms"], timeline["buckets"]
+    ax.broken_barh([(0, max(ready))], (-0.4, 0.8), color="tab:blue", alpha=0.25)
+    ax.plot(ready, [0] * len(ready), "|", color="tab:blue", markersize=10)
+    for i, b in enumerate(buckets, start=1):
+        ax.broken_barh([(b["launch_ms"], max(b["finish_ms"] - b["launch_ms"], 1e-3))],
+                       (i - 0.4, 0.8), color="tab:orange")
+    end = max([b["finish_ms"] for b in buckets] + [max(ready)])
+    ax.axvspan(max(ready), end, color="tab:red", alpha=0.15,
+               label=f"exposed tail {timeline['tail_ms']:.1f} ms")
+    ax.set_yticks([0] + list(range(1, len(buckets) + 1)),
+                  ["backward"] + [f"{b['bytes'] / KiB:.0f} KiB" for b in buckets], fontsize=6)
+    ax.set(title=title, xlabel="ms since backward started")
+    ax.legend(loc="upper left", fontsize=7)
+
+
+def draw_tail_model(ax, model: dict, rows: list[dict]) -> None:
+    """The alpha-beta model's exposed tail over bucket sizes, and each measured bucketed row."""
+    curve = model["curve"]
+    ax.plot([c["bucket_bytes"] / KiB for c in curve], [1e3 * c["tail_s"] for c in curve],
+            color="gray", label="alpha-beta model (equal buckets)")
+    ax.axvline(model["best_bucket_bytes"] / KiB, color="gray", linestyle="--",
+               label=f"model's best: {model['best_bucket_bytes'] / KiB:.0f} KiB")
+    for row in rows:
+        if "timeline" in row and row["launched in backward"]:
+            mean_bucket = 1e6 * row["MB/step"] / row["buckets/step"] / KiB
+            ax.scatter([mean_bucket], [row["tail ms"]], label=f"{row['method']} (measured)")
+    ax.set_xscale("log")
+    ax.set(title="Exposed tail after backward vs bucket size", xlabel="bucket size (KiB)",
+           ylabel="tail (ms)")
+    ax.legend(fontsize=7)
+
+
 def run(ctx: DistContext) -> dict:
-    width, depth = pick(256, 64), pick(24, 6)
-    local_batch_size = pick(64, 8)
-    bucket_sizes_mb = pick([0.5, 1.0, 4.0, 25.0], [0.01, 0.05, 25.0])
+    width, depth, local_batch_size = pick(256, 128), pick(24, 8), pick(256, 64)
+    caps_mb = pick([1.0, 0.25], [0.125])
     rounds, repeats = pick(3, 1), pick(3, 2)
-    num_params = depth * (width * width + width)
-    ctx.print0(f"MLP {depth} x Linear({width}, {width}): {num_params / 1e6:.2f} M parameters "
-               f"({num_params * 4 / 2**20:.1f} MB of fp32 gradients), local batch "
-               f"{local_batch_size}, {ctx.world_size} ranks, {ctx.backend} on {ctx.device}")
-    rows = bench(ctx, width, depth, local_batch_size, bucket_sizes_mb, rounds, repeats)
-    ratio = next((r["vs torch DDP"] for r in rows if r["method"] == f"bucketed {25.0:g}MB"),
-                 float("nan"))
+    total_bytes = depth * (width * width + width) * 4
+    ctx.print0(f"MLP {depth} x Linear({width}, {width}): {total_bytes / MiB:.2f} MiB of fp32 "
+               f"gradients, local batch {local_batch_size}, {ctx.world_size} ranks, {ctx.backend} "
+               f"on {ctx.device}")
+    rows = bench(ctx, width, depth, local_batch_size, caps_mb, rounds, repeats)
+    model = alpha_beta(ctx, pick([4, 64 * KiB, MiB, 4 * MiB], [4, 64 * KiB, MiB]), repeats=pick(5, 3))
+    model.update(predictions(rows, model, total_bytes))
+    config = {"width": width, "depth": depth, "local_batch_size": local_batch_size,
+              "caps_mb": caps_mb, "samples": rounds * repeats, "total_bytes": total_bytes}
+    result = {"bench": rows, "alpha_beta": model, "bench_config": config}
+    ctx.report(**result)
     if ctx.rank == 0:
-        table(rows, title=f"one training step, median of {rounds * repeats} (rank 0's clock)")
-        if ratio == ratio:  # not NaN: BucketedDDP ran
-            print(f"BucketedDDP (25 MB) / torch DDP step time: {ratio:.2f}x "
-                  f"({'within' if ratio <= 1.1 else 'outside'} the 1.1x goal)", flush=True)
-    ctx.report(bench=rows, bucketed_vs_torch_ddp=ratio, num_params=num_params,
-               bench_config={"width": width, "depth": depth, "local_batch_size": local_batch_size,
-                             "bucket_sizes_mb": bucket_sizes_mb, "samples": rounds * repeats})
-    return {"bench": rows}
+        table([{k: v for k, v in r.items() if k != "timeline"} for r in rows if "unsolved" not in r],
+              title=f"one training step, median of {rounds * repeats} (rank 0's clock)")
+        print(f"all-reduce = {1e6 * model['latency_s']:.0f} us + bytes / "
+              f"{model['bandwidth_Bps'] / 1e9:.2f} GB/s; backward {1e3 * model['backward_s']:.1f} ms; "
+              f"best bucket by the model {model['best_bucket_bytes'] / KiB:.0f} KiB "
+              f"(tail {1e3 * model['best_tail_s']:.2f} ms)", flush=True)
+    return result
 
 
 def main() -> None:

@@ -34,7 +34,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from helpers import pick
 from helpers.dist import DistContext, distributed
-from labs.lab03_ddp import divide, flat_params, make_mlp
+from helpers.tensors import ddp_device_ids, divide
+from labs.lab03_ddp import flat_params, make_mlp
 from labs.lab03_training import load_checkpoint, mean_over_ranks, run_dir, save_checkpoint
 
 SIZES = [16, 64, 4]
@@ -56,7 +57,8 @@ def batch_indices(step: int, rank: int, world_size: int, dataset_size: int,
     A function of the step alone: DistributedSampler shuffled with (SEED, epoch), then the
     step's slice of this rank's shard. After a restart, step 10 gets step 10's batch again.
     """
-    steps_per_epoch = divide(divide(dataset_size, world_size), local_batch_size)
+    steps_per_epoch = divide(divide(dataset_size, world_size, "the dataset over the ranks"),
+                             local_batch_size, "each rank's shard into local batches")
     epoch, position = divmod(step, steps_per_epoch)
     sampler = DistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank,
                                  shuffle=True, seed=SEED)
@@ -99,7 +101,7 @@ def train(ctx: DistContext, steps: int, ckpt_every: int, dataset_size: int,
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])  # the momentum buffers matter as much as weights
         start_step = state["step"]
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    ddp = DDP(model, device_ids=ddp_device_ids(ctx.device))
     ctx.report(**{f"attempt{restart_count}_pid": os.getpid()})
     ctx.print0(f"attempt {restart_count}: starting at step {start_step} of {steps}")
     losses = []
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     folder = Path(args.ckpt_dir) if args.ckpt_dir else run_dir("lab03_fault_tolerance")
     with distributed() as ctx:
-        divide(divide(args.dataset_size, ctx.world_size), args.local_batch_size)  # fail early
+        batch_indices(0, ctx.rank, ctx.world_size, args.dataset_size,
+                      args.local_batch_size)  # fails early if the sizes do not divide
         result = train(ctx, args.steps, args.ckpt_every, args.dataset_size,
                        args.local_batch_size, folder / "checkpoint.pt", args.kill_rank,
                        args.kill_at_step)

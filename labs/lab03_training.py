@@ -1,16 +1,24 @@
-"""Lab 03: the practical parts of a DDP training script: data, checkpoints, logging, accumulation.
+"""Lab 03: the practical parts of a DDP training script: data, checkpoints, logging, accumulation, memory.
 
 Run:  ./run.sh 03      (or: ./run.sh labs/lab03_training.py)
 
-- `DistributedSampler` gives each rank a disjoint shard of the dataset; `set_epoch(epoch)` makes
-  the shuffle differ each epoch. Forget it and every epoch repeats the first epoch's order.
-- Checkpoints: rank 0 alone saves `model.module.state_dict()` (no "module." prefix) and the
-  optimizer state, atomically (a temporary file, then `os.replace`, so a crash never leaves half a
-  file); a barrier; then every rank loads with `map_location` (without it, tensors saved from
-  cuda:0 would all load onto cuda:0).
+- `DistributedSampler` shuffles the indices with the same seed on every rank and deals them out
+  round-robin, so the shards are disjoint; `set_epoch(epoch)` makes the shuffle differ each
+  epoch (forget it and every epoch repeats the first one's order). When the dataset does not
+  divide by the number of ranks, it appends the first indices of the shuffled list again until
+  it does (those samples are seen twice; in evaluation they are counted twice), unless
+  `drop_last=True`, which trims the end of the shuffled list instead.
+- Checkpoints: rank 0 alone saves `model.module.state_dict()` (the wrapper's own state dict
+  prefixes every key with "module.", which a plain model refuses to load) and the optimizer
+  state, atomically (a temporary file, then `os.replace`); a barrier; then every rank loads with
+  `map_location` (without it, tensors saved from cuda:0 would all load onto cuda:0).
 - Logging: each rank's loss is computed on its own shard; print the mean over ranks (all-reduce).
 - Gradient accumulation: inside `ddp.no_sync()` backward only accumulates locally; the backward
-  after it all-reduces once. k micro-batches of B then step exactly like one batch of k*B.
+  after it all-reduces once. The forward must run inside the context too: torch DDP decides at
+  forward time whether the coming backward synchronises. k micro-batches of B per rank on N ranks
+  step exactly like one batch of B*k*N (the global batch).
+- Memory: every rank holds the whole model, its gradients and its optimizer state: N copies in
+  all (notebook 08 shards them).
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from helpers import pick
 from helpers.dist import DistContext, distributed
 from helpers.launch import REPO_ROOT
 from helpers.show import table
+from helpers.tensors import ddp_device_ids, nbytes, seeded
 from labs.lab03_ddp import (CountingComm, count_ddp_comm, flat_grads, flat_params, global_batch,
                             local_shard, make_mlp)
 
@@ -36,14 +45,15 @@ from labs.lab03_ddp import (CountingComm, count_ddp_comm, flat_grads, flat_param
 # --- data: one disjoint shard per rank, reshuffled per epoch -------------------------------------
 
 def sampler_orders(dataset_size: int, world_size: int, epochs: int, seed: int = 0,
-                   set_epoch: bool = True) -> list[list[list[int]]]:
+                   set_epoch: bool = True, drop_last: bool = False) -> list[list[list[int]]]:
     """orders[epoch][rank] = the dataset indices rank `rank` visits in `epoch`, in order.
 
     Uses DistributedSampler with explicit num_replicas and rank, so no process group is needed:
     this is exactly what each rank's sampler computes on its own (same seed on every rank).
     """
     samplers = [DistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank,
-                                   shuffle=True, seed=seed) for rank in range(world_size)]
+                                   shuffle=True, seed=seed, drop_last=drop_last)
+                for rank in range(world_size)]
 
     def one_epoch(epoch: int) -> list[list[int]]:
         if set_epoch:
@@ -55,13 +65,37 @@ def sampler_orders(dataset_size: int, world_size: int, epochs: int, seed: int = 
 
 
 def shards_disjoint_and_complete(orders_of_epoch: list[list[int]], dataset_size: int) -> bool:
-    """True when no index appears on two ranks and every index appears somewhere.
-
-    (DistributedSampler pads the last shard with repeats when the size is not divisible by the
-    number of ranks; pick divisible sizes to see exact disjointness.)
-    """
+    """True when no index appears twice and every index appears somewhere (needs a dataset size
+    divisible by the number of ranks: otherwise the sampler pads with repeats)."""
     seen = [i for shard in orders_of_epoch for i in shard]
     return len(seen) == len(set(seen)) and set(seen) == set(range(dataset_size))
+
+
+def padding(dataset_size: int, world_size: int, seed: int = 0) -> dict:
+    """What DistributedSampler does with a dataset that does not divide by the ranks.
+
+    The shuffled list, the indices appended to it (its first ones again), each rank's shard, and
+    with drop_last=True the indices left out."""
+    generator = torch.Generator().manual_seed(seed)  # the sampler's own shuffle for epoch 0
+    shuffled = torch.randperm(dataset_size, generator=generator).tolist()
+    padded = sampler_orders(dataset_size, world_size, 1, seed)[0]
+    trimmed = sampler_orders(dataset_size, world_size, 1, seed, drop_last=True)[0]
+    total = sum(len(shard) for shard in padded)
+    return {"dataset_size": dataset_size, "world_size": world_size, "shuffled": shuffled,
+            "appended": shuffled[:total - dataset_size],
+            "shards": padded, "shards_drop_last": trimmed,
+            "dropped": sorted(set(range(dataset_size)) - {i for s in trimmed for i in s})}
+
+
+def padded_accuracy(correct: list[bool], world_size: int) -> dict:
+    """Accuracy over an evaluation set sharded by DistributedSampler (shuffle=False), counted the
+    usual way (sum of correct and of samples over ranks), against the true accuracy."""
+    shards = [list(DistributedSampler(range(len(correct)), num_replicas=world_size, rank=r,
+                                      shuffle=False)) for r in range(world_size)]
+    counted = [i for shard in shards for i in shard]
+    return {"samples": len(correct), "counted": len(counted),
+            "accuracy_counted": sum(correct[i] for i in counted) / len(counted),
+            "accuracy_true": sum(correct) / len(correct)}
 
 
 # --- checkpoints -----------------------------------------------------------------------------
@@ -108,40 +142,87 @@ def mean_over_ranks(value: torch.Tensor, world_size: int, group=None) -> float:
 # --- gradient accumulation with no_sync -----------------------------------------------------------
 
 def accumulate(ddp: DDP, x: torch.Tensor, y: torch.Tensor, micro_batches: int,
-               use_no_sync: bool) -> None:
+               use_no_sync: bool, forward_inside: bool = True) -> None:
     """Backward over `micro_batches` chunks of this rank's batch x (B, in), y (B, out).
 
     Each chunk's loss is divided by `micro_batches`, so the accumulated gradient is the gradient
-    of the mean over the whole local batch. With `use_no_sync` only the last backward all-reduces.
+    of the mean over the whole local batch. With `use_no_sync` only the last backward all-reduces,
+    provided the forward runs inside the context too (`forward_inside=False` is the classic
+    mistake: the forward has already told DDP to synchronise the coming backward).
     """
     for i, (x_micro, y_micro) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
         last = i == micro_batches - 1
         context = ddp.no_sync() if use_no_sync and not last else contextlib.nullcontext()
-        with context:
+        if forward_inside:
+            with context:
+                loss = nn.functional.mse_loss(ddp(x_micro), y_micro) / micro_batches
+                loss.backward()
+        else:
             loss = nn.functional.mse_loss(ddp(x_micro), y_micro) / micro_batches
-            loss.backward()
+            with context:
+                loss.backward()
 
 
 def no_sync_demo(ctx: DistContext, sizes: list[int], micro_batches: int,
                  micro_batch_size: int) -> dict:
     """Accumulated DDP gradients vs one process on the whole global batch, and the all-reduces."""
-    out = {}
-    global_size = micro_batch_size * micro_batches * ctx.world_size
-    x, y = global_batch(0, global_size, sizes[0], sizes[-1], ctx.device)
+    out = {"global_batch": micro_batch_size * micro_batches * ctx.world_size}
+    x, y = global_batch(0, out["global_batch"], sizes[0], sizes[-1], ctx.device)
     reference = make_mlp(sizes, seed=0, device=ctx.device)
     nn.functional.mse_loss(reference(x), y).backward()
-    for use_no_sync in (False, True):
+    cases = {"sync every micro-batch": (False, True), "no_sync, forward inside": (True, True),
+             "no_sync, forward outside": (True, False)}
+    for name, (use_no_sync, forward_inside) in cases.items():
         model = make_mlp(sizes, seed=0, device=ctx.device)
-        ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        ddp = DDP(model, device_ids=ddp_device_ids(ctx.device))
         comm = CountingComm()
         count_ddp_comm(ddp, comm)
         accumulate(ddp, local_shard(x, ctx.rank, ctx.world_size),
-                   local_shard(y, ctx.rank, ctx.world_size), micro_batches, use_no_sync)
-        key = "no_sync" if use_no_sync else "sync_every_micro_batch"
-        out[key] = {"collectives": comm.collectives, "bytes": comm.bytes,
-                    "max_grad_diff_vs_big_batch":
-                        (flat_grads(model) - flat_grads(reference)).abs().max().item()}
+                   local_shard(y, ctx.rank, ctx.world_size), micro_batches, use_no_sync,
+                   forward_inside)
+        out[name] = {"collectives": comm.collectives, "bytes": comm.bytes,
+                     "max_grad_diff_vs_big_batch":
+                         (flat_grads(model) - flat_grads(reference)).abs().max().item()}
     return out
+
+
+def lr_scaling(batch_sizes: tuple[int, ...] = (8, 64), samples: int = 2048, lr: float = 0.01,
+               seed: int = 0) -> list[dict]:
+    """Linear regression trained with SGD on the same number of samples at each batch size, at the
+    base learning rate and at the rate scaled by the batch ratio (Goyal et al. 2017's linear
+    scaling rule, arXiv:1706.02677). One process: the global batch is what matters."""
+    with seeded(seed):
+        x = torch.randn(samples, 32)
+        y = x @ torch.randn(32, 1) + 0.1 * torch.randn(samples, 1)
+    rows = []
+    for batch in batch_sizes:
+        for scaled in (False, True) if batch != batch_sizes[0] else (False,):
+            rate = lr * batch / batch_sizes[0] if scaled else lr
+            w = torch.zeros(32, 1, requires_grad=True)
+            for start in range(0, samples, batch):
+                loss = nn.functional.mse_loss(x[start:start + batch] @ w, y[start:start + batch])
+                (grad,) = torch.autograd.grad(loss, w)
+                with torch.no_grad():
+                    w -= rate * grad
+            rows.append({"global batch": batch, "lr": rate, "optimizer steps": samples // batch,
+                         "final loss": nn.functional.mse_loss(x @ w, y).item()})
+    return rows
+
+
+# --- what every rank holds -------------------------------------------------------------------
+
+def memory_per_rank(ctx: DistContext, sizes: list[int]) -> dict:
+    """Bytes of parameters, gradients and Adam state on this rank after one DDP step."""
+    model = make_mlp(sizes, seed=0, device=ctx.device)
+    ddp = DDP(model, device_ids=ddp_device_ids(ctx.device))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    x, y = global_batch(0, 8, sizes[0], sizes[-1], ctx.device)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {"parameters": nbytes(model.parameters()),
+            "gradients": nbytes(p.grad for p in model.parameters()),
+            "optimizer state": nbytes(state)}
 
 
 # --- the whole thing ---------------------------------------------------------------------------
@@ -149,7 +230,7 @@ def no_sync_demo(ctx: DistContext, sizes: list[int], micro_batches: int,
 def checkpoint_demo(ctx: DistContext, sizes: list[int], steps: int, folder: Path) -> dict:
     """Train a few steps with DDP, save on rank 0, load on every rank into fresh objects."""
     model = make_mlp(sizes, seed=0, device=ctx.device)
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    ddp = DDP(model, device_ids=ddp_device_ids(ctx.device))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for step in range(steps):
@@ -166,6 +247,11 @@ def checkpoint_demo(ctx: DistContext, sizes: list[int], steps: int, folder: Path
                            "optimizer": opt.state_dict()}, ctx.rank)
     state = load_checkpoint(path, ctx.device)
     fresh = make_mlp(sizes, seed=123, device=ctx.device)  # different weights until it loads
+    try:  # the classic mistake: the wrapper's keys ("module.0.weight") into a plain model
+        fresh.load_state_dict(ddp.state_dict())
+        wrapper_load_error = ""
+    except RuntimeError as err:
+        wrapper_load_error = " ".join(line.strip() for line in str(err).splitlines()[:2])[:240]
     fresh.load_state_dict(state["model"])
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
     fresh_opt.load_state_dict(state["optimizer"])
@@ -176,6 +262,7 @@ def checkpoint_demo(ctx: DistContext, sizes: list[int], steps: int, folder: Path
         "files_after_save": sorted(p.name for p in folder.iterdir()),
         "ddp_state_dict_keys": list(ddp.state_dict())[:2],
         "module_state_dict_keys": list(ddp.module.state_dict())[:2],
+        "wrapper_load_error": wrapper_load_error,
         "loaded_step": state["step"],
         "loaded_device": str(next(iter(state["model"].values())).device),
         "max_param_diff_after_load": (flat_params(fresh) - flat_params(model)).abs().max().item(),
@@ -200,8 +287,11 @@ def run(ctx: DistContext) -> dict:
     result = {
         "sampler": {"dataset_size": dataset_size, "with_set_epoch": with_epoch,
                     "without_set_epoch": without_epoch,
-                    "disjoint": [shards_disjoint_and_complete(e, dataset_size) for e in with_epoch]},
+                    "disjoint": [shards_disjoint_and_complete(e, dataset_size) for e in with_epoch],
+                    "padding": padding(10, 4),
+                    "eval": padded_accuracy([i % 3 != 0 for i in range(10)], 4)},
         "checkpoint": ckpt, "accumulation": accumulation,
+        "memory": memory_per_rank(ctx, pick([256, 1024, 1024, 10], [64, 256, 256, 10])),
     }
     ctx.report(**result)
     if ctx.rank == 0:
@@ -212,8 +302,9 @@ def run(ctx: DistContext) -> dict:
               f"max |param diff| after load {ckpt['max_param_diff_after_load']:g}", flush=True)
         print(f"step losses, mean over ranks: {[round(l['mean_over_ranks'], 4) for l in ckpt['losses']]}",
               flush=True)
-        table([{"accumulation": k, **v} for k, v in accumulation.items()],
-              title="4 micro-batches per rank vs one process on the whole global batch")
+        table([{"accumulation": k, **v} for k, v in accumulation.items() if isinstance(v, dict)],
+              title=f"4 micro-batches per rank vs one process on the global batch of "
+                    f"{accumulation['global_batch']}")
     return result
 
 

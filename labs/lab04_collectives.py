@@ -1,4 +1,4 @@
-"""Lab 04: the collective operations, the stores under them, and an all-reduce built by hand.
+"""Lab 04: the collective operations and the stores under them, each shown on every rank.
 
 Run:  ./run.sh 04      (this file alone: ./run.sh labs/lab04_collectives.py)
 
@@ -7,12 +7,10 @@ send/recv and isend/irecv, then broadcast, scatter, gather, reduce, all-gather, 
 all-reduce and barrier on small integer tensors, recording its tensor before and after each one.
 Rank 0 gathers the records and prints one table per operation (the notebook draws the same tables
 from the launch's reports). Then it checks all-reduce == reduce-scatter + all-gather (and MPI's
-Allreduce == Reduce + Bcast), times the pickle-based `*_object` collectives, probes which reduction
-ops and dtypes this backend accepts, and runs the homework, `ring_all_reduce`, against
-`dist.all_reduce`.
+Allreduce == Reduce + Bcast), times the pickle-based `*_object` collectives, and probes which
+reduction ops and dtypes this backend accepts.
 
-Homework: `ring_all_reduce` below. Check it with `./run.sh check 04`
-(the public tests: tests/public/test_lab04_collectives.py).
+The homework of notebook 04, `ring_all_reduce`, lives in labs/lab04_ring.py.
 """
 from __future__ import annotations
 
@@ -30,86 +28,6 @@ from helpers import pick
 from helpers.comm_bench import all_gather_single, reduce_scatter_single
 from helpers.dist import DistContext, distributed
 from helpers.show import table
-
-
-# ============================================================================ the homework
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum `tensor` over the ranks of `group` (default: all ranks), in place, with a ring.
-
-    Exercise. Use only point-to-point operations (dist.isend / dist.irecv, dist.P2POp with
-    dist.batch_isend_irecv, or dist.send / dist.recv), and only two peers: send to the next rank
-    of the group, (rank + 1) % N, and receive from the previous one, (rank - 1) % N, where rank
-    and N are this process's rank in `group` and the group's size. Convert group ranks to the
-    global ranks that isend/irecv/P2POp take with dist.get_global_rank(group or dist.group.WORLD, r).
-
-    Algorithm (N ranks, K bytes): view the tensor as one flat vector and split it into N chunks,
-    `tensor.view(-1).tensor_split(N)` (views; sizes differ by at most one element; some are empty
-    when the tensor has fewer than N elements).
-      1. Reduce-scatter, N-1 steps: at step s rank r sends chunk (r - s) % N to the next rank,
-         receives chunk (r - s - 1) % N from the previous one into a scratch buffer, and adds it to
-         its own copy of that chunk. Afterwards rank r holds the complete sum of chunk (r + 1) % N.
-      2. All-gather, N-1 steps: at step s rank r sends chunk (r + 1 - s) % N and receives chunk
-         (r - s) % N, written straight into place (no addition).
-    Post each step's send and receive together (batch_isend_irecv, or isend + irecv and then wait
-    on both): if every rank did a blocking send first, they would all wait for a receive.
-    Skip empty chunks on both sides (sender and receiver compute the same chunk sizes).
-
-    Returns `tensor` itself (same object, same storage), now holding the sum. The tensor is
-    contiguous, of any shape, any length (0 included) and any integer or floating dtype; with
-    N == 1 nothing is sent.
-
-    The tests check: the result equals dist.all_reduce's (exactly for integers, to float
-    rounding otherwise) for world sizes 1 to 4 and for sub-groups; every message goes to the next
-    rank and comes from the previous one; each rank sends 2(N-1)/N of the tensor's bytes
-    (exactly when N divides the length; at most 2(N-1) chunks of ceil(length / N) elements
-    otherwise, and 2(N-1) times the tensor's bytes over all ranks); no built-in collective is used.
-    """
-    ### BEGIN SOLUTION
-    ring_size = dist.get_world_size(group)
-    if ring_size == 1 or tensor.numel() == 0:
-        return tensor  # nothing to add up, nothing to send
-    if not tensor.is_contiguous():
-        raise ValueError("ring_all_reduce works on views of the tensor: pass a contiguous tensor")
-    ring_rank = dist.get_rank(group)
-    members = group if group is not None else dist.group.WORLD
-    next_rank = dist.get_global_rank(members, (ring_rank + 1) % ring_size)  # we only send to it
-    prev_rank = dist.get_global_rank(members, (ring_rank - 1) % ring_size)  # we only receive from it
-    chunks = tensor.view(-1).tensor_split(ring_size)  # N views into `tensor`, about (K/N,) each
-    inbox = torch.empty_like(chunks[0])  # the largest chunk: one scratch buffer for every step
-
-    def exchange(outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
-        # send and receive posted together: no rank blocks in a send nobody has received yet
-        ops = []
-        if outgoing.numel():
-            ops.append(dist.P2POp(dist.isend, outgoing, next_rank, group))
-        if incoming.numel():
-            ops.append(dist.P2POp(dist.irecv, incoming, prev_rank, group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-
-    # Reduce-scatter: chunk r-s leaves holding s+1 ranks' terms; after N-1 steps rank r owns the
-    # complete chunk r+1.
-    for step in range(ring_size - 1):
-        send_idx = (ring_rank - step) % ring_size
-        recv_idx = (ring_rank - step - 1) % ring_size
-        incoming = inbox[: chunks[recv_idx].numel()]
-        exchange(chunks[send_idx], incoming)
-        chunks[recv_idx].add_(incoming)  # in place, into the tensor itself
-    # All-gather: complete chunks travel on around the ring and land straight in place.
-    for step in range(ring_size - 1):
-        exchange(chunks[(ring_rank + 1 - step) % ring_size], chunks[(ring_rank - step) % ring_size])
-    return tensor  # the caller's tensor, now holding the sum
-    ### END SOLUTION
-
-
-def ring_implemented(device: torch.device | str = "cpu") -> bool:
-    """False while ring_all_reduce is still the exercise stub (it raises NotImplementedError
-    before any communication, on every rank alike, so asking is safe). Call it on every rank."""
-    try:
-        ring_all_reduce(torch.zeros(0, device=device))
-    except NotImplementedError:
-        return False
-    return True
 
 
 # ============================================================================ key-value stores
@@ -348,7 +266,7 @@ def object_demo(rank: int, world_size: int, device: torch.device, numel: int = 2
 def support_probe(device: torch.device) -> dict[str, str]:
     """Try the reductions and dtypes whose support differs between gloo and nccl, on this
     backend. Each probe fails (or not) the same way on every rank, before any data moves."""
-    def attempt(fn) -> str:
+    def outcome(fn) -> str:
         try:
             fn()
             return "works"
@@ -357,7 +275,7 @@ def support_probe(device: torch.device) -> dict[str, str]:
 
     def reduce(name, dtype=torch.float32):
         def run():
-            # PREMUL_SUM carries its factor (made inside attempt: the helper is nccl-flavoured)
+            # PREMUL_SUM carries its factor (made inside the probe: the helper is nccl-flavoured)
             if name == "PREMUL_SUM":
                 op = dist._make_nccl_premul_sum(0.5)
             else:
@@ -367,13 +285,13 @@ def support_probe(device: torch.device) -> dict[str, str]:
 
     rank = dist.get_rank()
     return {
-        "all_reduce SUM, float32": attempt(reduce("SUM")),
-        "all_reduce AVG": attempt(reduce("AVG")),
-        "all_reduce BAND (bitwise and), int64": attempt(reduce("BAND", torch.int64)),
-        "all_reduce PREMUL_SUM": attempt(reduce("PREMUL_SUM")),
-        "all_reduce bfloat16": attempt(reduce("SUM", torch.bfloat16)),
-        "all_reduce float8_e4m3fn": attempt(reduce("SUM", torch.float8_e4m3fn)),
-        "all_gather, uneven sizes": attempt(lambda: dist.all_gather(
+        "all_reduce SUM, float32": outcome(reduce("SUM")),
+        "all_reduce AVG": outcome(reduce("AVG")),
+        "all_reduce BAND (bitwise and), int64": outcome(reduce("BAND", torch.int64)),
+        "all_reduce PREMUL_SUM": outcome(reduce("PREMUL_SUM")),
+        "all_reduce bfloat16": outcome(reduce("SUM", torch.bfloat16)),
+        "all_reduce float8_e4m3fn": outcome(reduce("SUM", torch.float8_e4m3fn)),
+        "all_gather, uneven sizes": outcome(lambda: dist.all_gather(
             [torch.empty(1 + r, device=device) for r in range(dist.get_world_size())],
             torch.ones(1 + rank, device=device))),
     }
@@ -401,36 +319,15 @@ DOCUMENTED_REDUCTIONS_NCCL = {
 }
 
 
-# ============================================================================ ring vs all_reduce
-def ring_check(rank: int, world_size: int, device: torch.device, numel: int) -> dict:
-    """ring_all_reduce against dist.all_reduce on the same inputs (int64 exact, float32 close)."""
-    if not ring_implemented(device):
-        return {"implemented": False}
-    out = {"implemented": True}
-    generator = torch.Generator().manual_seed(1234 + rank)
-    for name, x in (("int64", torch.randint(-1000, 1000, (numel,), generator=generator)),
-                    ("float32", torch.randn(numel, generator=generator))):
-        x = x.to(device)
-        expected = x.clone()
-        dist.all_reduce(expected)
-        result = ring_all_reduce(x)
-        out[name] = {"same_object": result is x,
-                     "max_abs_diff": (result - expected).abs().max().item() if numel else 0.0}
-    return out
-
-
-def tour(ctx: DistContext) -> dict:
-    """Run the whole tour on this rank and report it; returns this rank's record."""
+def run(ctx: DistContext) -> dict:
+    """Run the whole tour on this rank; returns this rank's record."""
     rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
-    record = {"stores": store_demo(rank, world_size, device, ctx.timeout_s),
-              "p2p": p2p_demo(rank, world_size, device),
-              "collectives": collectives_demo(rank, world_size, device),
-              "decomposition": decomposition_demo(rank, world_size, device),
-              "objects": object_demo(rank, world_size, device, numel=pick(20_000, 2_000)),
-              "support": support_probe(device),
-              "ring": ring_check(rank, world_size, device, numel=pick(1_000_003, 1_003))}
-    ctx.report(**record)
-    return record
+    return {"stores": store_demo(rank, world_size, device, ctx.timeout_s),
+            "p2p": p2p_demo(rank, world_size, device),
+            "collectives": collectives_demo(rank, world_size, device),
+            "decomposition": decomposition_demo(rank, world_size, device),
+            "objects": object_demo(rank, world_size, device, numel=pick(20_000, 2_000)),
+            "support": support_probe(device)}
 
 
 def print_summary(ctx: DistContext, record: dict) -> None:
@@ -451,18 +348,13 @@ def print_summary(ctx: DistContext, record: dict) -> None:
     obj = records[0]["objects"]
     print(f"all_gather_object took {obj['object_over_tensor']:.1f}x as long as all_gather of the "
           f"same {obj['numel']} floats as a tensor")
-    ring = records[0]["ring"]
-    if not ring["implemented"]:
-        print("ring_all_reduce: not implemented yet (the homework)")
-    else:
-        print(f"ring_all_reduce vs dist.all_reduce: int64 max diff {ring['int64']['max_abs_diff']}, "
-              f"float32 max diff {ring['float32']['max_abs_diff']:.2g}")
 
 
 def main() -> None:
     with distributed() as ctx:
-        record = tour(ctx)
+        record = run(ctx)
         print_summary(ctx, record)
+        ctx.report(tour=record)
 
 
 if __name__ == "__main__":

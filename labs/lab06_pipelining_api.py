@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from helpers import pick
 from helpers.dist import distributed
+from helpers.tensors import divide, seeded
 
 # Tolerances against single-process training, float32: micro-batched matmuls add in another
 # order than whole-batch ones (~1e-7 relative); AdamW divides by sqrt(v), which magnifies those
@@ -54,12 +55,6 @@ class LMConfig:
     steps: int = 20
     lr: float = 3e-3
     seed: int = 0
-
-
-def divide(numerator: int, denominator: int) -> int:
-    if denominator <= 0 or numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by {denominator}")
-    return numerator // denominator
 
 
 # ------------------------------------------------------------------------------------ the data
@@ -140,8 +135,7 @@ class TinyLM(nn.Module):
 
 
 def build_model(config: LMConfig) -> TinyLM:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
+    with seeded(config.seed):
         return TinyLM(config)
 
 
@@ -170,7 +164,7 @@ def train_reference(config: LMConfig, device: torch.device | str = "cpu") -> dic
 # ------------------------------------------------------------------------------ the two frontends
 def split_layers(config: LMConfig, num_stages: int) -> list[int]:
     """First layer of stages 1..p-1: an even split of the blocks."""
-    per_stage = divide(config.num_layers, num_stages)
+    per_stage = divide(config.num_layers, num_stages, "the blocks over the pipeline stages")
     return [stage * per_stage for stage in range(1, num_stages)]
 
 
@@ -182,7 +176,8 @@ def split_traced(model: TinyLM, config: LMConfig, *, rank: int, num_stages: int,
     """
     from torch.distributed.pipelining import SplitPoint, build_stage, pipeline
 
-    microbatch_size = divide(config.batch_size, config.num_microbatches)
+    microbatch_size = divide(config.batch_size, config.num_microbatches,
+                             "the batch (sequences) over the micro-batches")
     example = torch.zeros(microbatch_size, config.seq_len, dtype=torch.long)  # one micro-batch
     split_spec = {f"layers.{i}": SplitPoint.BEGINNING for i in split_layers(config, num_stages)}
     with warnings.catch_warnings(record=True) as caught:   # report what tracing warns about

@@ -1,17 +1,21 @@
 """Lab 07 (formats): the floating-point formats of low-precision training, computed, not quoted:
-fp32, tf32, fp16, bf16 and fp8 (e4m3, e5m2) from torch.finfo; tf32 emulated on any CPU by rounding
-the fp32 mantissa to 10 bits; which ops torch.autocast runs in low precision.
+fp32, tf32, fp16, bf16 and fp8 (e4m3, e5m2) from torch.finfo; where each rounds to zero; tf32
+emulated on any CPU by rounding the fp32 mantissa to 10 bits, and its switches; running sums that
+stop growing in low precision; which ops torch.autocast runs in low precision.
 
 Run:  ./run.sh 07      (or: ./run.sh labs/lab07_formats.py)
 
 Every rank prints nothing but rank 0: the formats table, the error of a matmul whose inputs are
 rounded to tf32 and bf16, the output dtypes under autocast, and, on a GPU, the measured speed of
-fp32, TF32 and bf16 matmuls (TF32 matmuls are off by default since PyTorch 1.12).
+fp32, TF32 and bf16 matmuls (TF32 matmuls are off by default since PyTorch 1.12; since PyTorch 2.9
+the switches are `torch.backends.cuda.matmul.fp32_precision` and
+`torch.backends.cudnn.conv.fp32_precision`, "tf32" or "ieee").
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +54,18 @@ def format_info(name: str) -> dict:
         bits, eps, smallest_normal, largest = fi.bits, fi.eps, fi.smallest_normal, fi.max
     return {"format": name, "bits": bits, "sign": 1, "exponent": e, "mantissa": m, "max": largest,
             "smallest normal": smallest_normal, "smallest subnormal": smallest_normal * eps,
+            "zero at or below": smallest_normal * eps / 2,
             "eps": eps, "decimal digits": round((m + 1) * math.log10(2), 1)}
+
+
+def underflow_threshold(dtype: torch.dtype) -> float:
+    """The largest magnitude that rounds to zero in `dtype`: half the smallest subnormal.
+
+    Round to nearest, ties to even: a value between half the smallest subnormal s and s rounds up
+    to s; s / 2 itself is a tie between 0 and s and goes to the even one, 0. So fp16 (s = 2^-24)
+    keeps 1.0001 * 2^-25 (as 2^-24) and loses 2^-25 and everything below it."""
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps / 2
 
 
 def formats_table() -> list[dict]:
@@ -122,6 +137,78 @@ def round_mantissa(x: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
     return torch.where(torch.isfinite(x), out, x)
 
 
+def has_fp32_precision_api() -> bool:
+    """True on torch >= 2.9, whose TF32 switches are the `fp32_precision` attributes."""
+    return getattr(torch.backends.cuda.matmul, "fp32_precision", None) is not None
+
+
+def tf32_switches() -> dict[str, str]:
+    """The current TF32 settings, read through the API this torch has.
+
+    torch >= 2.9: `torch.backends.cuda.matmul.fp32_precision` and
+    `torch.backends.cudnn.conv.fp32_precision` ("tf32": tensor cores may round fp32 inputs to 10
+    mantissa bits; "ieee": full fp32; "none": not set here, the level above decides, up to the
+    global `torch.backends.fp32_precision`; PyTorch pull request #125888).
+    Older torch: `torch.backends.cuda.matmul.allow_tf32`, `torch.backends.cudnn.allow_tf32` and
+    `torch.get_float32_matmul_precision()`. Do not mix the two: once the new API has set a value,
+    torch refuses to read the old flags (RuntimeError), so only one set is read here.
+    """
+    if has_fp32_precision_api():
+        return {"torch.backends.fp32_precision": torch.backends.fp32_precision,
+                "torch.backends.cuda.matmul.fp32_precision": torch.backends.cuda.matmul.fp32_precision,
+                "torch.backends.cudnn.conv.fp32_precision": torch.backends.cudnn.conv.fp32_precision}
+    return {"torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
+            "torch.backends.cuda.matmul.allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
+            "torch.backends.cudnn.allow_tf32": str(torch.backends.cudnn.allow_tf32)}
+
+
+@contextlib.contextmanager
+def matmul_tf32(enabled: bool) -> Iterator[None]:
+    """fp32 matmuls with TF32 allowed (True) or in full fp32 (False), restored afterwards:
+    `torch.backends.cuda.matmul.fp32_precision = "tf32" | "ieee"` on torch >= 2.9, else
+    `torch.set_float32_matmul_precision("high" | "highest")`."""
+    if has_fp32_precision_api():
+        saved = torch.backends.cuda.matmul.fp32_precision
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.fp32_precision = saved
+    else:
+        saved = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(saved)
+
+
+def running_sum(increment: float, steps: int, dtype: torch.dtype) -> list[float]:
+    """s_k = s_(k-1) + increment for k = 1..steps, every partial sum stored in `dtype`, as a loop
+    that accumulates into a low-precision tensor does (a gradient accumulated over micro-batches
+    in bf16, a running loss, an EMA). Returns the partial sums.
+
+    Once the increment is at most half a unit in the last place of the sum, s + increment rounds
+    back to s and the sum stops growing: for increment 1, at 2^(mantissa bits + 1), 256 in bf16
+    and 2048 in fp16. torch's own reductions (`tensor.sum()`) accumulate in fp32 internally."""
+    total = torch.zeros((), dtype=dtype)
+    step = torch.tensor(increment, dtype=dtype)
+    sums = []
+    for _ in range(steps):
+        total = total + step
+        sums.append(total.item())
+    return sums
+
+
+def stall_value(increment: float, dtype: torch.dtype) -> float:
+    """Where running_sum(increment, ..., dtype) stops growing: the first sum s at which
+    s + increment rounds back to s (for increment a power of two: increment * 2^(mantissa + 1))."""
+    total, step = torch.zeros((), dtype=dtype), torch.tensor(increment, dtype=dtype)
+    while (total + step) != total:
+        total = total + step
+    return total.item()
+
+
 def matmul_errors(n: int, seed: int = 0) -> list[dict]:
     """Relative error of an n x n matmul whose inputs are rounded to each format (fp32 accumulate).
 
@@ -144,27 +231,23 @@ def matmul_errors(n: int, seed: int = 0) -> list[dict]:
 
 
 def matmul_speed(device: torch.device, n: int = 4096, repeats: int = 10) -> list[dict]:
-    """TFLOP/s of an n x n matmul on a GPU: fp32 ("highest": no TF32), fp32 with TF32 allowed
-    ("high"), and bf16. The global precision setting is restored afterwards."""
+    """TFLOP/s of an n x n matmul on a GPU: fp32 with TF32 off ("ieee"), fp32 with TF32 allowed
+    ("tf32"), and bf16 (`matmul_tf32`; the setting is restored afterwards)."""
     from helpers.bench import measure
 
     if device.type != "cuda":
         raise ValueError("matmul_speed measures tensor-core modes: it needs a CUDA device")
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     flops = 2 * n ** 3
-    saved = torch.get_float32_matmul_precision()
     rows = []
-    try:
-        for label, precision, dtype in (("fp32 (TF32 off)", "highest", torch.float32),
-                                        ("fp32 with TF32", "high", torch.float32),
-                                        ("bf16", "highest", torch.bfloat16)):
-            torch.set_float32_matmul_precision(precision)
-            x, y = a.to(dtype), b.to(dtype)
+    for label, tf32, dtype in (("fp32 (TF32 off)", False, torch.float32),
+                               ("fp32 with TF32", True, torch.float32),
+                               ("bf16", False, torch.bfloat16)):
+        x, y = a.to(dtype), b.to(dtype)
+        with matmul_tf32(tf32):
             t = measure(lambda: x @ y, device=device, warmup=3, repeats=repeats).median
-            rows.append({"mode": label, "set_float32_matmul_precision": precision,
-                         "ms": 1e3 * t, "TFLOP/s": flops / t / 1e12})
-    finally:
-        torch.set_float32_matmul_precision(saved)
+        rows.append({"mode": label, "fp32 matmul precision": "tf32" if tf32 else "ieee",
+                     "ms": 1e3 * t, "TFLOP/s": flops / t / 1e12})
     return rows
 
 
@@ -220,8 +303,12 @@ def lab(ctx: DistContext) -> None:
         ctx.print0(format_table(speed, floatfmt=".3g"))
     else:
         ctx.print0("\nno GPU for this rank: TF32 speed not measured (the TF32 switches do nothing on CPU)")
+    stalls = {str(dtype).replace("torch.", ""): stall_value(1.0, dtype)
+               for dtype in (torch.bfloat16, torch.float16)}
+    ctx.print0(f"\na running sum of ones stops growing at: {stalls}")
+    ctx.print0(f"TF32 switches: {tf32_switches()}")
     ctx.report(formats=formats_table(), matmul_errors=errors, autocast_cpu_bf16=cpu_bf16,
-               matmul_speed=speed)
+               matmul_speed=speed, running_sum_stalls=stalls, tf32_switches=tf32_switches())
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ all-reduce adds, the final losses, and checks the fp32 run against one process o
 The importable parts (used by notebooks/07_low_precision.ipynb): `LossScaler` (the exercise:
 dynamic loss scaling as torch.amp.GradScaler does it), the training runs that compare fp32, bf16
 and fp16, and the gradient-underflow measurements (Micikevicius et al. 2018, "Mixed Precision
-Training", arXiv:1710.03740). Formats and autocast: labs/lab07_formats.py; memory:
-labs/lab07_memory.py.
+Training", arXiv:1710.03740). Formats and autocast: labs/lab07_formats.py; GradScaler in practice
+(clipping, checkpoints): labs/lab07_amp.py; memory: labs/lab07_memory.py, labs/lab07_swapping.py.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from helpers import pick
 from helpers.dist import DistContext, distributed
+from helpers.tensors import divide, seeded
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,11 +41,12 @@ class LossScaler:
 
     One iteration:  scaler.scale(loss).backward();  scaler.step(optimizer);  scaler.update()
 
-    Why: fp16 gradients below 2^-24 round to zero. Multiplying the loss by a large scale S
-    multiplies every gradient by S (the chain rule is linear), lifting them into fp16's range.
-    Before the optimizer uses them they are divided by S again. If S was too large, some gradient
-    overflowed to inf (or became nan): that step is skipped and S shrinks. After `growth_interval`
-    clean steps in a row S grows, so it keeps probing for the largest safe value.
+    Why: fp16's smallest subnormal is 2^-24, and gradients at or below 2^-25 round to zero.
+    Multiplying the loss by a large scale S multiplies every gradient by S (the chain rule is
+    linear), lifting them into fp16's range. Before the optimizer uses them they are divided by S
+    again. If S was too large, some gradient overflowed to inf (or became nan): that step is
+    skipped and S shrinks. After `growth_interval` clean steps in a row S grows, so it keeps
+    probing for the largest safe value.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
@@ -141,8 +143,8 @@ def scaler_trace(scaler, *, steps: int, overflow_steps=(), nan_steps=(), seed: i
     """
     g = torch.Generator().manual_seed(seed)
     x, target = torch.randn(16, 4, generator=g), torch.randn(16, 3, generator=g)
-    torch.manual_seed(seed)
-    model = nn.Linear(4, 3)
+    with seeded(seed):
+        model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ran = []
     opt.register_step_post_hook(lambda *_: ran.append(True))
@@ -175,7 +177,7 @@ def make_signals(num_samples: int, amplitude: float = 0.01, seed: int = 0) -> to
     """(num_samples, SIGNAL_DIM) signals on an 8-dim subspace, scaled to `amplitude`.
 
     Small signals mean small reconstruction errors and so small gradients: the regime where fp16
-    gradients fall below 2^-24 and vanish.
+    gradients fall to 2^-25 or below and round to zero.
     """
     g = torch.Generator().manual_seed(seed)
     basis = torch.randn(LATENT_DIM, SIGNAL_DIM, generator=g) / LATENT_DIM ** 0.5
@@ -183,9 +185,10 @@ def make_signals(num_samples: int, amplitude: float = 0.01, seed: int = 0) -> to
 
 
 def make_autoencoder(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(SIGNAL_DIM, HIDDEN_DIM), nn.GELU(), nn.Linear(HIDDEN_DIM, HIDDEN_DIM),
-                         nn.GELU(), nn.Linear(HIDDEN_DIM, SIGNAL_DIM))
+    with seeded(seed):
+        return nn.Sequential(nn.Linear(SIGNAL_DIM, HIDDEN_DIM), nn.GELU(),
+                             nn.Linear(HIDDEN_DIM, HIDDEN_DIM), nn.GELU(),
+                             nn.Linear(HIDDEN_DIM, SIGNAL_DIM))
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -275,12 +278,6 @@ def zero_gradient_fraction(model: nn.Module, batch: torch.Tensor, precision: str
 # ---------------------------------------------------------------------------------------------
 # Data parallel with bf16 autocast: gradients all-reduced in fp32 or in bf16
 # ---------------------------------------------------------------------------------------------
-def exact_div(a: int, b: int) -> int:
-    if a % b:
-        raise ValueError(f"{a} is not divisible by {b}")
-    return a // b
-
-
 def all_reduce_mean(flat_grad: torch.Tensor, comm_dtype: torch.dtype, world_size: int,
                     group=None) -> torch.Tensor:
     """Average a flat fp32 gradient over ranks, sending it as `comm_dtype`; returns fp32."""
@@ -300,7 +297,7 @@ def train_data_parallel(precision: str, comm_dtype: torch.dtype, *, rank: int, w
     batch, to compare with the error autocast itself adds (autocast_error). Both are relative
     2-norm errors of the averaged gradient. The loss is averaged over ranks.
     """
-    local_batch_size = exact_div(global_batch_size, world_size)
+    local_batch_size = divide(global_batch_size, world_size, "the global batch over the ranks")
     data = make_signals(16 * global_batch_size).to(device)
     model = make_autoencoder().to(device)
     params = list(model.parameters())
@@ -336,7 +333,7 @@ def train_data_parallel(precision: str, comm_dtype: torch.dtype, *, rank: int, w
         losses.append(mean_loss.item() / world_size)
     return {"losses": losses, "comm_errors": comm_errors, "autocast_errors": autocast_errors,
             "bf16_exact_fraction": sum(bf16_exact) / len(bf16_exact),
-            "bytes_per_all_reduce": local_grad.numel() * torch.empty((), dtype=comm_dtype).element_size(),
+            "bytes_per_all_reduce": local_grad.numel() * comm_dtype.itemsize,
             "params": torch.cat([p.detach().flatten() for p in params]).cpu()}
 
 

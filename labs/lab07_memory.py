@@ -1,36 +1,33 @@
-"""Lab 07 (memory): count the bytes training needs, and train a model larger than your memory by
-swapping its parts between a CPU store and the device, with gradient accumulation and 2 ranks.
+"""Lab 07 (memory): count the bytes one training step needs (parameters, gradients, optimizer
+state, activations), measure the peak during backward, and shrink it: activation checkpointing per
+block (still linear in depth) and in sqrt(L) segments (sublinear, Chen et al. 2016), gradient
+accumulation. Swapping a model through a small device: labs/lab07_swapping.py.
 
-Run:  ./run.sh 07      (or: ./run.sh labs/lab07_memory.py)
+Run:  ./run.sh 07      (or: ./run.sh labs/lab07_memory.py; rank 0 prints the counts and the
+                        checkpointing sweep; the numbers are the same on every rank)
 
-Every rank gets a `BudgetDevice`: the GPU when there is one per rank, else the CPU with a counted
-budget. The model's parameters alone do not fit in the budget. The parameters, gradients and
-optimizer state live in a CPU store (the optimizer steps there, as in ZeRO-Offload, Ren et al. 2021,
-arXiv:2101.06840); each part of the model is copied in, run, and dropped, in the forward pass and
-again (recomputed) in the backward pass. Each rank splits its share of the global batch into
-micro-batches (gradient accumulation); the gradients are averaged over ranks part by part. Every
-rank checks its parameters against plain training on the whole batch in one process.
+Two ways to see memory: *counting* what autograd saves for backward (`SavedTensorBytes`, a
+saved-tensors hook; exact, and what the formulas talk about) and *measuring* every allocation
+(`peak_memory`: torch.profiler with profile_memory=True on the CPU; `torch.cuda.max_memory_allocated`
+does it on a GPU), which also sees the temporaries and the recomputation during backward.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from dataclasses import dataclass, field
-from typing import Callable
+import math
+import os
+import sys
+from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from helpers import pick
-from helpers.dist import DistContext, distributed, synchronize
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
+from helpers.dist import DistContext, distributed
+from helpers.tensors import nbytes, seeded
 
 # ---------------------------------------------------------------------------------------------
 # A model made of blocks (the unit of checkpointing and of swapping)
@@ -48,8 +45,8 @@ class Block(nn.Module):
 
 
 def make_blocks(width: int, depth: int, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[Block(width) for _ in range(depth)])
+    with seeded(seed):
+        return nn.Sequential(*[Block(width) for _ in range(depth)])
 
 
 def make_regression_data(num_samples: int, width: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,12 +57,21 @@ def make_regression_data(num_samples: int, width: int, seed: int = 1) -> tuple[t
     return x, torch.tanh(x @ teacher)
 
 
-def run_blocks(model: nn.Sequential, x: torch.Tensor, use_checkpoint: bool = False) -> torch.Tensor:
-    """Forward through the blocks; with checkpointing each block keeps only its input and recomputes
-    its insides during backward (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
-    arXiv:1604.06174)."""
+def run_blocks(model: nn.Sequential, x: torch.Tensor, use_checkpoint: bool = False,
+               segments: int | None = None) -> torch.Tensor:
+    """Forward through the blocks. `use_checkpoint`: each block keeps only its input and recomputes
+    its insides during backward. `segments`: `checkpoint_sequential` cuts the L blocks into that
+    many segments; each keeps its input and recomputes its blocks during backward (the last
+    segment runs normally). Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
+    arXiv:1604.06174: with sqrt(L) segments of sqrt(L) blocks the memory grows as sqrt(L).
+    preserve_rng_state=False: the blocks draw no random numbers (no dropout), so there is no RNG
+    state to replay; by default each checkpoint keeps a copy of it (5 KiB for the CPU's)."""
+    if segments is not None:
+        return checkpoint_sequential(model, segments, x, use_reentrant=False,
+                                     preserve_rng_state=False)
     for block in model:
-        x = checkpoint(block, x, use_reentrant=False) if use_checkpoint else block(x)
+        x = (checkpoint(block, x, use_reentrant=False, preserve_rng_state=False)
+             if use_checkpoint else block(x))
     return x
 
 
@@ -153,10 +159,8 @@ def count_training_memory(model: nn.Module, x: torch.Tensor, y: torch.Tensor, pr
     loss.backward()
     opt.step()  # Adam creates its state (exp_avg, exp_avg_sq, step) on the first step
     state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    counts = {"parameters": sum(map(tensor_bytes, params)),
-              "gradients": sum(tensor_bytes(p.grad) for p in params),
-              "optimizer state": sum(map(tensor_bytes, state)),
-              "activations": saved.bytes}
+    counts = {"parameters": nbytes(params), "gradients": nbytes(p.grad for p in params),
+              "optimizer state": nbytes(state), "activations": saved.bytes}
     counts["total"] = sum(counts.values())
     counts["weight copies (in activations)"] = saved.weight_copy_bytes
     return counts
@@ -180,245 +184,128 @@ def accumulate_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mic
 
 
 # ---------------------------------------------------------------------------------------------
-# Swapping parts of a model through a device with a memory budget
+# Measuring the peak: every allocation, forward and backward (recomputation included)
 # ---------------------------------------------------------------------------------------------
-class OutOfBudget(MemoryError):
-    """Raised by BudgetDevice.allocate when a tensor would not fit in the budget."""
+def _allocations(prof) -> list[tuple[int, int]]:
+    """(time ns, bytes: + allocated / - freed) of every CPU allocation the profiler recorded."""
+    from torch._C._profiler import _EventType
+
+    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            found.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    return sorted(found)
 
 
-@dataclass
-class BudgetDevice:
-    """A device with a memory budget: every tensor placed on it is counted, and going over the
-    budget raises OutOfBudget. On a GPU the allocator's own peak is measured too (`measured_peak`)."""
-
-    device: torch.device
-    budget_bytes: int
-    resident: int = 0
-    peak: int = 0
-    bytes_copied_in: int = 0
-    timeline: list[tuple[str, int]] = field(default_factory=list)  # (event, resident bytes after it)
-    _baseline: int = 0  # GPU: bytes allocated before start_measuring()
-
-    def allocate(self, nbytes: int, what: str) -> None:
-        if self.resident + nbytes > self.budget_bytes:
-            raise OutOfBudget(f"{what}: {self.resident} + {nbytes} B resident would exceed the "
-                              f"budget of {self.budget_bytes} B")
-        self.resident += nbytes
-        self.peak = max(self.peak, self.resident)
-        self.timeline.append((f"+ {what}", self.resident))
-
-    def free(self, nbytes: int, what: str) -> None:
-        self.resident -= nbytes
-        self.timeline.append((f"- {what}", self.resident))
-
-    def copy_in(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """A copy of `t` on the device (a real copy, also when the device is the CPU)."""
-        self.allocate(tensor_bytes(t), what)
-        self.bytes_copied_in += tensor_bytes(t)
-        return t.detach().to(self.device, copy=True)
-
-    def start_measuring(self) -> None:
-        if self.device.type == "cuda":
-            synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._baseline = torch.cuda.memory_allocated(self.device)
-
-    def measured_peak(self) -> int | None:
-        """Allocator-measured peak above the baseline (GPU only; None on the CPU)."""
-        if self.device.type != "cuda":
-            return None
-        synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - self._baseline
+def _start_of(prof, name: str) -> int:
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.name == name:
+            return node.start_time_ns
+        stack.extend(node.children)
+    raise ValueError(f"no event {name!r} in the profile")
 
 
-def split_parts(model: nn.Sequential, num_parts: int) -> list[nn.Sequential]:
-    """Consecutive groups of blocks; the last group is as large or smaller."""
-    blocks = list(model)
-    size = -(-len(blocks) // num_parts)
-    return [nn.Sequential(*blocks[i:i + size]) for i in range(0, len(blocks), size)]
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 for the block: the profiler's C++ side (kineto) prints a
+    "profiler_start" / "profiler_stop" line there that no setting turns off."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
-class SwappedModel:
-    """Trains `parts` (living on the CPU: parameters, .grad and the optimizer stay there) by copying
-    one part at a time onto a BudgetDevice.
+def peak_memory(forward: Callable[[], torch.Tensor]) -> dict[str, int]:
+    """Run `loss = forward()` and `loss.backward()` on the CPU under torch.profiler
+    (profile_memory=True) and replay its allocation events. Returns, in bytes above the level
+    before the step: "after forward" (what the forward pass left allocated: mostly the saved
+    activations), "peak forward" and "peak backward" (the highest level during each phase)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    Forward (no autograd graph): part i in, h_{i+1} = part_i(h_i), part i out; only the boundary
-    activations h_i stay on the device. Backward, last part first: part i in, recompute part_i(h_i)
-    with autograd, backward with dL/dh_{i+1}, add its gradients into the CPU .grad, part i out. So
-    the device holds one part's weights and gradients, its activations and the boundaries.
-    """
-
-    def __init__(self, parts: list[nn.Module], device: BudgetDevice):
-        self.parts, self.device = parts, device
-
-    def _bring_in(self, i: int) -> dict[str, torch.Tensor]:
-        # name -> device copy of part i's parameters (B, width shapes as in the part)
-        return {name: self.device.copy_in(p, f"part {i} weights").requires_grad_(True)
-                for name, p in self.parts[i].named_parameters()}
-
-    def _evict(self, i: int, weights: dict[str, torch.Tensor]) -> None:
-        self.device.free(sum(map(tensor_bytes, weights.values())), f"part {i} weights")
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_weight: float = 1.0,
-                         loss_fn: Callable = F.mse_loss) -> float:
-        """Add d(loss_weight * loss_fn(model(x), y))/dparams into the CPU parameters' .grad."""
-        dev, n = self.device, len(self.parts)
-        boundaries = [dev.copy_in(x, "input")]  # h_0 .. h_{n-1} on the device, (B, width) each
-        with torch.no_grad():
-            for i in range(n - 1):
-                weights = self._bring_in(i)
-                h = functional_call(self.parts[i], weights, (boundaries[-1],))
-                dev.allocate(tensor_bytes(h), f"boundary {i + 1}")
-                boundaries.append(h)
-                self._evict(i, weights)
-        target = dev.copy_in(y, "target")
-        grad_out, loss_value = None, 0.0
-        for i in reversed(range(n)):
-            weights = self._bring_in(i)
-            h_in = boundaries[i].detach().requires_grad_(i > 0)
-            with SavedTensorBytes(exclude=list(weights.values()) + [h_in, target]) as saved:
-                out = functional_call(self.parts[i], weights, (h_in,))  # (B, width)
-                if i == n - 1:
-                    loss = loss_fn(out, target) * loss_weight
-            # saved: what autograd keeps for this part's backward; out: alive until it has run
-            activation_bytes = saved.bytes + (0 if out.untyped_storage().data_ptr() in saved.storages
-                                              else tensor_bytes(out))
-            grad_bytes = sum(map(tensor_bytes, weights.values())) + (tensor_bytes(h_in) if i else 0)
-            dev.allocate(activation_bytes, f"part {i} activations")
-            dev.allocate(grad_bytes, f"part {i} gradients")
-            if i == n - 1:
-                loss.backward()
-                loss_value = loss.item()
-                dev.free(tensor_bytes(target), "target")
-            else:
-                out.backward(grad_out)
-                dev.free(tensor_bytes(grad_out), f"gradient of boundary {i + 1}")
-            dev.free(activation_bytes, f"part {i} activations")
-            for name, p in self.parts[i].named_parameters():  # device -> CPU store, accumulating
-                g = weights[name].grad.to("cpu")
-                p.grad = g if p.grad is None else p.grad.add_(g)
-            dev.free(grad_bytes - (tensor_bytes(h_in) if i else 0), f"part {i} gradients")
-            grad_out = h_in.grad if i else None  # dL/dh_i stays on the device for part i-1
-            dev.free(tensor_bytes(boundaries[i]), f"boundary {i}" if i else "input")
-            self._evict(i, weights)
-        return loss_value
-
-    def average_gradients(self, world_size: int, group=None) -> None:
-        """All-reduce the CPU .grad over ranks, one part at a time through the device."""
-        for i, part in enumerate(self.parts):
-            params = list(part.parameters())
-            flat = self.device.copy_in(torch.cat([p.grad.flatten() for p in params]), f"part {i} all-reduce")
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            flat = flat.to("cpu") / world_size
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-            self.device.free(tensor_bytes(flat), f"part {i} all-reduce")
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():
+        prof.start()
+    try:
+        loss = forward()
+        with record_function("course::backward"):
+            loss.backward()
+        del loss
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    backward_starts = _start_of(prof, "course::backward")
+    level, peaks, after_forward = 0, {"forward": 0, "backward": 0}, None
+    for time_ns, size in _allocations(prof):
+        phase = "forward" if time_ns < backward_starts else "backward"
+        if phase == "backward" and after_forward is None:
+            after_forward = level
+        level += size
+        peaks[phase] = max(peaks[phase], level)
+    return {"after forward": level if after_forward is None else after_forward,
+            "peak forward": peaks["forward"], "peak backward": peaks["backward"]}
 
 
-def make_optimizer(params) -> torch.optim.Optimizer:
-    """SGD with momentum: its update is linear in the gradient, so runs that sum the same gradient in
-    a different order stay within float rounding of each other (Adam divides by sqrt(v), which
-    magnifies rounding differences of near-zero gradients)."""
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+CHECKPOINT_MODES = ("none", "per block", "sqrt(L) segments")
 
 
-def train_swapped(model: nn.Sequential, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                  device: BudgetDevice, num_parts: int, micro_batches: int = 1,
-                  rank: int = 0, world_size: int = 1, group=None) -> list[float]:
-    """The optimizer runs on the CPU store; each (global) batch: this rank's rows, in micro-batches, swapped.
-
-    With world_size > 1 each rank takes rows [rank * B/world_size, (rank + 1) * B/world_size) of
-    every batch and the gradients are averaged over ranks. Returns the mean loss of each step
-    (this rank's share). `model` is trained in place.
-    """
-    swapped = SwappedModel(split_parts(model, num_parts), device)
-    opt = make_optimizer(model.parameters())
-    losses = []
-    for x, y in batches:
-        rows = x.shape[0] // world_size
-        if rows * world_size != x.shape[0] or rows % micro_batches:
-            raise ValueError(f"batch {x.shape[0]} must split into {world_size} ranks x "
-                             f"{micro_batches} micro-batches")
-        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-        opt.zero_grad(set_to_none=True)
-        loss = sum(swapped.forward_backward(xs, ys, loss_weight=1.0 / micro_batches)
-                   for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)))
-        if world_size > 1:
-            swapped.average_gradients(world_size, group)
-        opt.step()
-        losses.append(loss)
-    return losses
+def sqrt_segments(depth: int) -> int:
+    """Segments for "sqrt(L) segments": round(sqrt(depth)) (Chen et al. 2016). With L a perfect
+    square they divide the blocks evenly (checkpoint_sequential runs its last segment, the
+    remainder, without checkpointing)."""
+    return max(1, round(math.sqrt(depth)))
 
 
-def train_plain(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    """The reference: ordinary training, whole batches, everything resident."""
-    opt = make_optimizer(model.parameters())
-    losses = []
-    for x, y in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
-def model_bytes(model: nn.Module) -> int:
-    return sum(tensor_bytes(p) for p in model.parameters())
-
-
-def swap_budget(model: nn.Sequential, num_parts: int, micro_batch_rows: int) -> int:
-    """A budget for one part's weights and gradients, its activations (per block: its input (rows,
-    width) and two (rows, 4 * width) tensors), the boundaries between parts and a few (rows, width)
-    tensors (output, target, incoming gradient), plus 25%: under the model's size with several parts."""
-    width = model[0].up.in_features
-    part = split_parts(model, num_parts)[0]
-    activations = 4 * micro_batch_rows * width * (9 * len(part) + num_parts + 4)
-    return int(1.25 * (2 * model_bytes(part) + activations))
-
-
-def lab_device(ctx_device: torch.device) -> torch.device:
-    """The GPU of this rank when there is one, else the CPU (with a counted budget)."""
-    return ctx_device if ctx_device.type == "cuda" else torch.device("cpu")
-
-
-def run_lab(ctx: DistContext, *, width: int, depth: int, num_parts: int, global_batch_size: int,
-            micro_batches: int, steps: int) -> dict:
-    x, y = make_regression_data(global_batch_size * steps, width)
-    batches = list(zip(x.split(global_batch_size), y.split(global_batch_size)))
+def checkpointing_peaks(depth: int, width: int, rows: int, mode: str) -> dict[str, int]:
+    """peak_memory of one forward/backward of make_blocks(width, depth) on `rows` rows, with
+    checkpointing `mode`. Gradients are allocated beforehand (a previous step's, zeroed in place),
+    so the peaks are activations, recomputation and temporaries only."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"mode must be one of {CHECKPOINT_MODES}, got {mode!r}")
     model = make_blocks(width, depth)
-    reference = copy.deepcopy(model)
-    local_micro_rows = global_batch_size // ctx.world_size // micro_batches
-    budget = swap_budget(model, num_parts, local_micro_rows)
-    device = BudgetDevice(lab_device(ctx.device), budget)
-    device.start_measuring()
-    losses = train_swapped(model, batches, device, num_parts, micro_batches,
-                           rank=ctx.rank, world_size=ctx.world_size)
-    reference_losses = train_plain(reference, batches)
-    max_diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
-    return {"model_bytes": model_bytes(model), "budget_bytes": budget, "peak_bytes": device.peak,
-            "measured_peak_bytes": device.measured_peak(), "bytes_copied_in": device.bytes_copied_in,
-            "losses": losses, "reference_losses": reference_losses, "max_param_diff": max_diff,
-            "swap_device": str(device.device)}
+    x, y = make_regression_data(rows, width)
+    F.mse_loss(model(x), y).backward()
+    model.zero_grad(set_to_none=False)
+    segments = sqrt_segments(depth) if mode == "sqrt(L) segments" else None
+    return peak_memory(lambda: F.mse_loss(
+        run_blocks(model, x, use_checkpoint=mode == "per block", segments=segments), y))
+
+
+def checkpointing_sweep(depths: list[int], width: int, rows: int) -> list[dict]:
+    """checkpointing_peaks for every depth and mode; bytes also in units of one block input
+    (rows x width floats), the unit the formulas count in."""
+    unit = 4 * rows * width
+    rows_out = []
+    for depth in depths:
+        for mode in CHECKPOINT_MODES:
+            peaks = checkpointing_peaks(depth, width, rows, mode)
+            rows_out.append({"depth": depth, "mode": mode, **peaks,
+                             "peak backward / block input": peaks["peak backward"] / unit})
+    return rows_out
 
 
 def lab(ctx: DistContext) -> None:
-    """Train the swapped model on this rank's budget, print a summary and report the numbers."""
-    config = dict(width=pick(256, 64), depth=8, num_parts=8, global_batch_size=64,
-                  micro_batches=2, steps=pick(10, 3))
-    out = run_lab(ctx, **config)
-    ctx.print0(f"{ctx.world_size} ranks, device {out['swap_device']}: model parameters "
-               f"{out['model_bytes'] / 2**20:.2f} MiB, budget {out['budget_bytes'] / 2**20:.2f} MiB")
-    measured = out["measured_peak_bytes"]
-    print(f"[rank {ctx.rank}] peak resident {out['peak_bytes'] / 2**20:.2f} MiB "
-          f"({out['peak_bytes'] / out['budget_bytes']:.0%} of budget"
-          + (f"; allocator measured {measured / 2**20:.2f} MiB" if measured is not None else "")
-          + f"), copied in {out['bytes_copied_in'] / 2**20:.1f} MiB over {config['steps']} steps", flush=True)
-    ctx.print0(f"max |param - plain training on the whole batch| = {out['max_param_diff']:.2e}; "
-               f"final loss {out['reference_losses'][-1]:.4f}")
-    ctx.report(config=config, **out)
+    """Count one Adam step's bytes and sweep checkpointing over depth; print on rank 0."""
+    from helpers.show import format_table
+
+    width, rows = pick(256, 64), pick(256, 64)
+    model = make_blocks(width, 8)
+    x, y = make_regression_data(rows, width)
+    counts = {precision: count_training_memory(model, x, y, precision) for precision in MEMORY_PRECISIONS}
+    ctx.print0(format_table([{"precision": p, **{k: v / 2**20 for k, v in c.items()}}
+                             for p, c in counts.items()], floatfmt=".3g"))
+    sweep = checkpointing_sweep(pick([4, 16, 64, 256], [4, 16]), pick(64, 32), pick(128, 32))
+    ctx.print0(format_table([{k: r[k] for k in ("depth", "mode", "peak backward / block input")}
+                             for r in sweep], floatfmt=".1f"))
+    ctx.report(counts=counts, checkpointing=sweep)
 
 
 def main() -> None:

@@ -69,8 +69,9 @@ class Ranks(Mapping[int, dict]):
 
 def launch_ranks(script: str | os.PathLike, *args: Any, nproc: int = 2,
                  timeout: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
-                 needs: Iterable[Any] = ()) -> Ranks:
-    """Launch `script args` on `nproc` ranks once; see the module docstring."""
+                 needs: Iterable[Any] = (), torchrun_args: Iterable[str] = ()) -> Ranks:
+    """Launch `script args` on `nproc` ranks once; see the module docstring. `torchrun_args`
+    go to torchrun itself (e.g. ["--max-restarts=1"])."""
     from helpers.launch import LaunchError, launch  # torch: only when something is launched
 
     for exercise in needs:
@@ -78,7 +79,8 @@ def launch_ranks(script: str | os.PathLike, *args: Any, nproc: int = 2,
         if message:
             return Ranks(None, Unsolved(message))
     try:
-        result = launch(script, *map(str, args), nproc=nproc, timeout=timeout, env=env, stream=False)
+        result = launch(script, *map(str, args), nproc=nproc, timeout=timeout, env=env, stream=False,
+                        torchrun_args=list(torchrun_args))
     except LaunchError as err:
         if err.rank is not None:
             summary = f"rank {err.rank} raised {err.summary}"

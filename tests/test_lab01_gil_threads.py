@@ -1,5 +1,7 @@
-"""Tests of lab 01's non-exercise parts: the workloads, the measurement code and its verdicts,
-and the lab end to end on 2 ranks (smoke size). Correctness only; timings are never checked."""
+"""Tests of lab 01's non-exercise parts: the machine report and the scale numbers, the workloads,
+the measurement code and its verdicts, and the lab end to end on 2 ranks (smoke size). Correctness
+only; timings are never checked."""
+import json
 import math
 import sys
 
@@ -7,7 +9,52 @@ import pytest
 import torch
 
 import labs.lab01_gil_threads as lab
-from helpers.launch import launch
+import labs.lab01_machine as machine
+from tests.conftest import launch_ranks
+
+
+def test_scale_of_the_trillion_parameter_run():
+    rows = {r["quantity"].split(" (")[0].split(",")[0]: r for r in machine.scale_of_a_large_run()}
+    assert rows["fp16 weights alone"]["value"] == "2 TB"  # 1e12 parameters x 2 bytes
+    assert rows["fp16 weights alone"]["one GPU's worth"].startswith("25 GPUs of 80 GB")
+    training = rows["weights + gradients + Adam state"]
+    assert training["value"] == "16 TB" and training["one GPU's worth"].startswith("200 GPUs")
+    compute = next(r for q, r in rows.items() if q.startswith("training compute"))
+    assert compute["value"] == "3.6e+24 FLOPs"  # 8 x 450e9 tokens x 1e12 parameters
+    assert "163 TFLOP/s" in compute["one GPU's worth"]  # 502 PFLOP/s over 3072 GPUs
+    days = next(r for q, r in rows.items() if q.startswith("the same on 3072 GPUs"))
+    assert days["value"] == "83 days"  # Narayanan et al. estimate ~84 days at 163 TFLOP/s
+    assert days["one GPU's worth"] == "384 nodes of 8 GPUs"
+
+
+def test_smt_is_read_from_the_core_counts_not_assumed():
+    assert machine.smt_summary(16, 8) == "SMT: 2 logical per physical core"
+    assert machine.smt_summary(10, 10).startswith("no SMT")  # e.g. Apple silicon
+    assert "some cores only" in machine.smt_summary(20, 14)  # e.g. an Intel hybrid chip
+    assert machine.smt_summary(8, None).startswith("unknown")
+    labels = {r["item"]: r["value"] for r in machine.machine_rows()}
+    assert "SMT (from those two counts)" in labels and "GPUs visible" in labels
+
+
+def test_simd_width_from_torchs_cpu_capability():
+    assert machine.simd_summary("AVX2").endswith("8 float32 lanes per instruction")
+    assert machine.simd_summary("AVX512").startswith("AVX512: 512-bit")
+    assert machine.simd_summary("DEFAULT").startswith("DEFAULT: 128-bit")
+    assert machine.simd_summary().startswith(torch.backends.cpu.get_cpu_capability())
+
+
+def test_a_function_of_main_cannot_be_found_by_a_fresh_process(monkeypatch):
+    def square(x):
+        return x * x
+
+    square.__module__, square.__qualname__ = "__main__", "square_of_main"
+    monkeypatch.setattr(sys.modules["__main__"], "square_of_main", square, raising=False)
+    rows = machine.send_to_a_fresh_process(square, json.dumps)
+    assert rows[0]["pickled as"] == "__main__.square_of_main"
+    assert rows[0]["in a fresh process"].startswith("AttributeError"), rows[0]
+    assert "square_of_main" in rows[0]["in a fresh process"]
+    assert rows[1]["pickled as"] == "json.dumps" and rows[1]["in a fresh process"] == "found"
+    assert all(0 < r["bytes"] < 100 for r in rows)  # a name, not the code
 
 
 def test_work_is_split_into_the_same_total_for_any_worker_count():
@@ -38,7 +85,7 @@ def test_intra_op_threads_sets_and_restores():
 
 
 def test_gil_status_matches_this_interpreter():
-    status = lab.gil_status()
+    status = machine.gil_status()
     assert status["python"] == sys.version.split()[0]
     assert status["gil_enabled"] == getattr(sys, "_is_gil_enabled", lambda: True)()
     if not status["free_threaded_build"]:
@@ -121,26 +168,26 @@ def test_speedup_table_refuses_a_fast_wrong_answer(monkeypatch):
 
 
 def test_creation_cost():
-    assert lab.creation_cost("thread", count=3) > 0
-    assert lab.creation_cost("process", count=2) > 0
+    assert machine.creation_cost("thread", count=3) > 0
+    assert machine.creation_cost("process", count=2) > 0
     with pytest.raises(ValueError):
-        lab.creation_cost("fiber")
+        machine.creation_cost("fiber")
 
 
 @pytest.fixture(scope="module")
 def lab_run():
-    return launch("labs/lab01_gil_threads.py", nproc=2, timeout=180, env={"COURSE_SMOKE": "1"},
-                  stream=False)
+    return launch_ranks("labs/lab01_gil_threads.py", nproc=2, env={"COURSE_SMOKE": "1"},
+                        needs=[lab.parallel_map])
 
 
 def test_lab_ranks_together_compute_the_single_process_result(lab_run):
-    rank0, rank1 = lab_run.results[0], lab_run.results[1]
+    rank0, rank1 = lab_run[0], lab_run[1]
     n_items = 4 * 2
-    items = lab.WORKLOADS["python"].items(n_items, 2_000_000)  # the lab's smoke size
+    items = lab.WORKLOADS["python"].items(n_items, lab.LAB_ITERATIONS[1])  # the smoke size
     results = [lab.python_work(item) for item in items]  # the single-process reference
     expected = sum(results)
     assert rank0["serial_checksum"] == expected
-    assert rank0["threads_checksum"] == expected and rank0["threads_match_serial"]
+    assert rank0["threads"]["checksum"] == expected and rank0["threads"]["match_serial"]
     # each rank did only its own shard (every 2nd item), and the shards add up
     assert rank0["shard_checksum"] == sum(results[0::2])
     assert rank1["shard_checksum"] == sum(results[1::2])
@@ -148,12 +195,12 @@ def test_lab_ranks_together_compute_the_single_process_result(lab_run):
 
 
 def test_lab_reports_the_three_throughputs(lab_run):
-    rank0 = lab_run.results[0]
+    rank0, threads = lab_run[0], lab_run[0]["threads"]
     assert rank0["items"] == 8 and rank0["workers"] == 2
-    for key in ("throughput_1_process", "throughput_threads", "throughput_processes"):
-        assert rank0[key] > 0
+    assert rank0["throughput_1_process"] > 0 and rank0["throughput_processes"] > 0
+    assert threads["throughput"] > 0
     assert math.isclose(rank0["speedup_processes"],
                         rank0["throughput_processes"] / rank0["throughput_1_process"])
-    assert math.isclose(rank0["processes_vs_threads"],
-                        rank0["throughput_processes"] / rank0["throughput_threads"])
+    assert math.isclose(threads["processes_vs_threads"],
+                        rank0["throughput_processes"] / threads["throughput"])
     assert "notebook 03" in lab_run.output

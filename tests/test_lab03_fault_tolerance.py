@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.launch import launch
+from tests.conftest import launch_ranks
 
 STEPS, CKPT_EVERY, KILL_AT = 16, 4, 10
 DATASET, LOCAL_BATCH = 128, 8
@@ -21,19 +21,19 @@ DATASET, LOCAL_BATCH = 128, 8
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lab03_ft")
-    res = launch("labs/lab03_fault_tolerance.py", "--steps", STEPS, "--ckpt-every", CKPT_EVERY,
-                 "--dataset-size", DATASET, "--local-batch-size", LOCAL_BATCH,
-                 "--ckpt-dir", folder, "--kill-rank", 1, "--kill-at-step", KILL_AT,
-                 nproc=2, timeout=240, stream=False, torchrun_args=["--max-restarts=1"],
-                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    res = launch_ranks("labs/lab03_fault_tolerance.py", "--steps", STEPS, "--ckpt-every", CKPT_EVERY,
+                       "--dataset-size", DATASET, "--local-batch-size", LOCAL_BATCH,
+                       "--ckpt-dir", folder, "--kill-rank", 1, "--kill-at-step", KILL_AT,
+                       nproc=2, torchrun_args=["--max-restarts=1"],
+                       env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     return res, folder
 
 
 def test_rank1_was_killed_and_the_group_restarted(killed_run):
     res, _ = killed_run
-    assert res.results[1]["killed_at_step"] == KILL_AT
+    assert res[1]["killed_at_step"] == KILL_AT
     assert "exitcode: -9" in res.output or "Signals.SIGKILL" in res.output
-    for rank, rep in res.results.items():
+    for rank, rep in res.items():
         assert rep["restart_count"] == 1, f"rank {rank} did not run a second attempt"
         assert rep["attempt0_pid"] != rep["attempt1_pid"]
 
@@ -41,7 +41,7 @@ def test_rank1_was_killed_and_the_group_restarted(killed_run):
 def test_resumed_from_the_last_checkpoint(killed_run):
     res, folder = killed_run
     last_ckpt = KILL_AT // CKPT_EVERY * CKPT_EVERY
-    for rep in res.results.values():
+    for rep in res.values():
         assert rep["resumed_from_step"] == last_ckpt
         assert rep["steps_run"] == STEPS - last_ckpt
     state = torch.load(folder / "checkpoint.pt", weights_only=True)
@@ -54,9 +54,9 @@ def test_final_parameters_equal_an_uninterrupted_run(killed_run):
 
     res, _ = killed_run
     reference, ref_losses = reference_run(STEPS, 2, DATASET, LOCAL_BATCH)
-    final = [torch.tensor(res.results[r]["final_params"]) for r in (0, 1)]
+    final = [torch.tensor(res[r]["final_params"]) for r in (0, 1)]
     assert torch.equal(final[0], final[1])
     assert (final[0] - reference).abs().max().item() <= 1e-6
-    resumed = dict(map(tuple, res.results[0]["attempt1_losses"]))
+    resumed = dict(map(tuple, res[0]["attempt1_losses"]))
     for step, loss in resumed.items():
         assert loss == pytest.approx(ref_losses[int(step)], rel=1e-5)

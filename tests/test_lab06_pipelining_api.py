@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.launch import launch
 from labs import lab06_pipelining_api as lab
+from tests.conftest import launch_ranks
 
 
 def test_token_data_is_deterministic_and_learnable():
@@ -40,16 +40,16 @@ def test_model_shapes_and_manual_stage_pieces():
 
 @pytest.fixture(scope="module")
 def lab_run():
-    return launch("labs/lab06_pipelining_api.py", nproc=2, timeout=300, stream=False,
-                  env={"COURSE_SMOKE": "1", "DIST_TIMEOUT": "60"})
+    return launch_ranks("labs/lab06_pipelining_api.py", nproc=2, timeout=300,
+                        env={"COURSE_SMOKE": "1", "DIST_TIMEOUT": "60"})
 
 
 def test_pipelined_losses_equal_single_process(lab_run):
-    config = lab.LMConfig(**lab_run.results[0]["config"])
-    reference = lab_run.results[1]["reference_losses"]   # train_reference, in another process
+    config = lab.LMConfig(**lab_run[0]["config"])
+    reference = lab_run[1]["reference_losses"]   # train_reference, in another process
     assert len(reference) == config.steps >= 2
     assert reference[-1] < reference[0]   # it learns
-    runs = lab_run.results[1]["runs"]
+    runs = lab_run[1]["runs"]
     planned = lab.planned_runs()
     assert set(runs) == {f"{s}/{f}" for f, schedules in planned.items() for s in schedules}
     assert {key.split("/")[0] for key in runs} == {"GPipe", "1F1B"}
@@ -59,12 +59,12 @@ def test_pipelined_losses_equal_single_process(lab_run):
 
 def test_pipelined_parameters_equal_single_process(lab_run):
     names = {n for n, _ in lab.build_model(lab.LMConfig()).named_parameters()}
-    for key in lab_run.results[0]["runs"]:
+    for key in lab_run[0]["runs"]:
         covered = set()
         for rank in (0, 1):
-            run = lab_run.results[rank]["runs"][key]
+            run = lab_run[rank]["runs"][key]
             assert run["max_param_diff"] < lab.PARAM_ATOL, (key, rank)
             covered |= set(run["param_names"])
         assert covered == names, key   # the stages together hold the whole model, once
-        assert not set(lab_run.results[0]["runs"][key]["param_names"]) & set(
-            lab_run.results[1]["runs"][key]["param_names"])
+        assert not set(lab_run[0]["runs"][key]["param_names"]) & set(
+            lab_run[1]["runs"][key]["param_names"])

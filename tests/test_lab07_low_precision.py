@@ -1,6 +1,8 @@
-"""Tests of lab 07's non-exercise parts: formats, tf32 emulation, autocast listing, the precision
-runs, memory counting, gradient accumulation, swapping against a budget, and the three labs on 2
-ranks (one launch: this module is also the torchrun worker, see the bottom).
+"""Tests of lab 07's non-exercise parts: formats and where they round to zero, tf32 emulation and
+its switches (the fp32_precision API of torch >= 2.9), running sums in low precision, autocast
+listing, the precision runs, GradScaler in practice (clipping, checkpoints), memory counting and
+the measured peak with checkpointing, gradient accumulation, swapping against a budget, and the
+five labs on 2 ranks (one launch: this module is also the torchrun worker, see the bottom).
 
 Tolerances: swapped / accumulated / data-parallel fp32 training vs the single-process reference
 1e-6 absolute on parameters (only the summation order differs); everything else is exact.
@@ -14,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 from helpers.dist import distributed
-from helpers.launch import launch
+from labs import lab07_amp as amp
 from labs import lab07_formats as fm
 from labs import lab07_low_precision as lp
 from labs import lab07_memory as mem
+from labs import lab07_swapping as swap
+from tests.conftest import launch_ranks
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,6 +51,50 @@ def test_formats_table_has_the_known_layouts():
         tiny = torch.tensor(rows[name]["smallest subnormal"], dtype=torch.float64)
         dtype = fm.FORMATS[name]
         assert tiny.to(dtype).item() == tiny.item() and (tiny / 4).to(dtype).item() == 0.0
+
+
+def test_values_at_or_below_half_the_smallest_subnormal_round_to_zero():
+    """Not "below 2^-24" for fp16: 2^-25 is a tie and rounds to the even neighbour, 0; anything
+    above it rounds up to the smallest subnormal 2^-24."""
+    assert fm.underflow_threshold(torch.float16) == 2.0 ** -25
+    assert fm.underflow_threshold(torch.bfloat16) == 2.0 ** -134
+    rows = {r["format"]: r for r in fm.formats_table()}
+    for name, dtype in fm.FORMATS.items():
+        if dtype is None:
+            continue
+        zero, smallest = fm.underflow_threshold(dtype), rows[name]["smallest subnormal"]
+        assert rows[name]["zero at or below"] == zero == smallest / 2
+        cast = lambda v: torch.tensor(v, dtype=torch.float64).to(torch.float32).to(dtype).item()
+        assert cast(zero) == 0.0 and cast(zero * 0.99) == 0.0, name
+        assert cast(zero * 1.01) == smallest, name   # just above the tie: up to the subnormal
+
+
+def test_tf32_switches_use_the_fp32_precision_api():
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    assert fm.has_fp32_precision_api() == ((major, minor) >= (2, 9))
+    switches = fm.tf32_switches()
+    if fm.has_fp32_precision_api():
+        assert set(switches) == {"torch.backends.fp32_precision",
+                                 "torch.backends.cuda.matmul.fp32_precision",
+                                 "torch.backends.cudnn.conv.fp32_precision"}
+        before = torch.backends.cuda.matmul.fp32_precision
+        with fm.matmul_tf32(True):
+            assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        with fm.matmul_tf32(False):
+            assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert torch.backends.cuda.matmul.fp32_precision == before   # restored
+    else:
+        assert "torch.backends.cuda.matmul.allow_tf32" in switches
+
+
+def test_running_sums_stop_growing_in_low_precision():
+    assert fm.stall_value(1.0, torch.bfloat16) == 256.0     # 2^(7 + 1)
+    assert fm.stall_value(1.0, torch.float16) == 2048.0     # 2^(10 + 1)
+    sums = fm.running_sum(1.0, 600, torch.bfloat16)
+    assert sums[255] == 256.0 and sums[-1] == 256.0
+    assert fm.running_sum(1.0, 600, torch.float32)[-1] == 600.0
+    # torch's own reduction accumulates in fp32, then rounds the result once
+    assert torch.ones(600, dtype=torch.bfloat16).sum().item() == torch.tensor(600.0).bfloat16().item()
 
 
 def test_round_mantissa_equals_the_bf16_and_fp16_casts():
@@ -123,6 +171,38 @@ def test_gradient_exponents_and_zero_fraction(precision_runs):
 
 
 # --------------------------------------------------------------------------------------------
+# GradScaler in practice
+# --------------------------------------------------------------------------------------------
+def test_clipping_the_scaled_gradients_clips_them_s_times_too_hard():
+    runs = amp.clipping_experiment(steps=6)
+    right, wrong = runs["unscale_ then clip"], runs["clip scaled gradients"]
+    assert right["scale"] == wrong["scale"] == 2.0 ** 16
+    # first step, same weights: clip_grad_norm_ saw S times the true norm
+    assert wrong["norms"][0] == pytest.approx(2.0 ** 16 * right["norms"][0], rel=1e-3)
+    assert right["losses"][0] == wrong["losses"][0]
+    assert right["losses"][-1] < wrong["losses"][-1]   # the clipped-to-nothing run lags
+
+
+def test_a_checkpoint_needs_the_scalers_state():
+    result = amp.resume_experiment(steps=16, stop_at=8)
+    runs = result["runs"]
+    full = runs["uninterrupted"]
+    assert full["skipped"][:3] == [0, 1, 2]         # large signals: the scale backs off first
+    assert full["scales"][8] < 2.0 ** 16
+    resumed = runs["resumed with the scaler's state"]
+    assert resumed["max_param_diff"] == 0.0        # bit for bit the uninterrupted run
+    assert resumed["scales"] == full["scales"][8:]
+    assert resumed["skipped"] == [k for k in full["skipped"] if k >= 8]
+    fresh = runs["resumed without it"]
+    assert fresh["scales"][0] == 2.0 ** 16 and fresh["skipped"][0] == 8   # overflows again
+    assert fresh["max_param_diff"] > 0.0
+    state = torch.load(__import__("io").BytesIO(amp.checkpoint_bytes(
+        torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+        torch.amp.GradScaler("cpu"))))
+    assert set(state) == {"model", "optimizer", "scaler"} and "scale" in state["scaler"]
+
+
+# --------------------------------------------------------------------------------------------
 # memory: counting, checkpointing, accumulation, swapping
 # --------------------------------------------------------------------------------------------
 WIDTH, DEPTH, ROWS = 32, 4, 16
@@ -163,6 +243,37 @@ def test_checkpointing_keeps_only_the_block_inputs():
     torch.nn.functional.mse_loss(mem.run_blocks(a, x), y).backward()
     torch.nn.functional.mse_loss(mem.run_blocks(b, x, use_checkpoint=True), y).backward()
     assert all(torch.allclose(p.grad, q.grad, atol=1e-7) for p, q in zip(a.parameters(), b.parameters()))
+    c = copy.deepcopy(model)   # sqrt(L) segments too
+    torch.nn.functional.mse_loss(mem.run_blocks(c, x, segments=2), y).backward()
+    assert all(torch.allclose(p.grad, q.grad, atol=1e-7) for p, q in zip(a.parameters(), c.parameters()))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_sweep():
+    return {(r["depth"], r["mode"]): r for r in mem.checkpointing_sweep([4, 16, 64], 32, 32)}
+
+
+def test_measured_peak_without_checkpointing_is_the_counted_activations(checkpoint_sweep):
+    unit = 4 * 32 * 32     # one block input, (rows, width) floats
+    for depth in (4, 16, 64):
+        r = checkpoint_sweep[depth, "none"]
+        counted = unit * (9 * depth + 1)    # SavedTensorBytes' count (test above), less the
+        assert counted <= r["after forward"] <= counted + 8 * unit, (depth, r)  # target: it existed
+        assert r["peak backward"] >= r["after forward"]
+
+
+def test_per_block_checkpointing_is_linear_and_sqrt_segments_sublinear(checkpoint_sweep):
+    peak = {key: r["peak backward"] for key, r in checkpoint_sweep.items()}
+    for mode in ("per block", "sqrt(L) segments"):
+        for depth in (4, 16, 64):
+            assert peak[depth, mode] < peak[depth, "none"], (depth, mode)
+            r = checkpoint_sweep[depth, mode]   # recomputation happens during backward
+            assert r["peak backward"] > r["after forward"], (depth, mode)
+    growth = {mode: peak[64, mode] / peak[16, mode] for mode in mem.CHECKPOINT_MODES}
+    # 4x the depth: ~4x without checkpointing; per block L + 17 block inputs (33 -> 81, heading
+    # for 4x); sqrt(L) segments ~sqrt(4) = 2x
+    assert growth["none"] > 3.5 and growth["per block"] > 2.3 and growth["sqrt(L) segments"] < 2.0, growth
+    assert [mem.sqrt_segments(d) for d in (4, 16, 64, 256)] == [2, 4, 8, 16]
 
 
 @pytest.mark.parametrize("micro_batches", [2, 3])
@@ -189,25 +300,25 @@ def _swap_setup(steps=3, rows=16):
 def test_swapped_training_equals_plain_training_within_the_budget(micro_batches):
     model, batches = _swap_setup()
     reference = copy.deepcopy(model)
-    budget = mem.swap_budget(model, SWAP_DEPTH, 16 // micro_batches)
-    assert budget < mem.model_bytes(model)  # the model does not fit
-    device = mem.BudgetDevice(torch.device("cpu"), budget)
-    losses = mem.train_swapped(model, batches, device, SWAP_DEPTH, micro_batches)
-    ref_losses = mem.train_plain(reference, batches)
+    budget = swap.swap_budget(model, SWAP_DEPTH, 16 // micro_batches)
+    assert budget < swap.model_bytes(model)  # the model does not fit
+    device = swap.BudgetDevice(torch.device("cpu"), budget)
+    losses = swap.train_swapped(model, batches, device, SWAP_DEPTH, micro_batches)
+    ref_losses = swap.train_plain(reference, batches)
     assert losses == pytest.approx(ref_losses, abs=1e-6)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     assert 0 < device.peak <= budget and device.resident == 0  # nothing left behind
     # per micro-batch: every part's weights twice (forward, then backward), except the last part,
     # which runs forward and backward in one visit; plus the micro-batch's inputs and targets
-    weights = micro_batches * mem.model_bytes(model) * (2 * SWAP_DEPTH - 1) // SWAP_DEPTH
+    weights = micro_batches * swap.model_bytes(model) * (2 * SWAP_DEPTH - 1) // SWAP_DEPTH
     assert device.bytes_copied_in == len(batches) * (weights + 2 * 4 * 16 * SWAP_WIDTH)
 
 
 def test_at_most_one_part_is_resident_and_the_budget_is_enforced():
     model, batches = _swap_setup(steps=1)
-    device = mem.BudgetDevice(torch.device("cpu"), 10 ** 9)
-    mem.train_swapped(model, batches, device, 2)
+    device = swap.BudgetDevice(torch.device("cpu"), 10 ** 9)
+    swap.train_swapped(model, batches, device, 2)
     resident_parts, most = set(), 0
     for event, _ in device.timeline:
         if event.endswith("weights"):
@@ -215,9 +326,9 @@ def test_at_most_one_part_is_resident_and_the_budget_is_enforced():
             (resident_parts.add if event.startswith("+") else resident_parts.discard)(part)
             most = max(most, len(resident_parts))
     assert most == 1
-    tight = mem.BudgetDevice(torch.device("cpu"), mem.model_bytes(model) // 4)
-    with pytest.raises(mem.OutOfBudget):
-        mem.train_swapped(mem.make_blocks(SWAP_WIDTH, SWAP_DEPTH), batches, tight, 2)  # half per part
+    tight = swap.BudgetDevice(torch.device("cpu"), swap.model_bytes(model) // 4)
+    with pytest.raises(swap.OutOfBudget):
+        swap.train_swapped(mem.make_blocks(SWAP_WIDTH, SWAP_DEPTH), batches, tight, 2)  # half per part
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,7 +336,7 @@ def test_at_most_one_part_is_resident_and_the_budget_is_enforced():
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(__file__, "labs", nproc=2, timeout=240, env={"COURSE_SMOKE": "1"}).results
+    return launch_ranks(__file__, "labs", nproc=2, timeout=240, env={"COURSE_SMOKE": "1"})
 
 
 def test_fp32_data_parallel_equals_one_process(two_ranks):
@@ -261,6 +372,16 @@ def test_swapped_data_parallel_equals_plain_training_within_budget(two_ranks):
 def test_formats_lab_reports(two_ranks):
     assert [r["format"] for r in two_ranks[0]["formats"]] == list(fm.FORMATS)
     assert two_ranks[0]["matmul_speed"] is None or len(two_ranks[0]["matmul_speed"]) == 3
+    assert two_ranks[0]["running_sum_stalls"] == {"bfloat16": 256.0, "float16": 2048.0}
+
+
+def test_memory_and_amp_labs_report(two_ranks):
+    for rank in (0, 1):
+        r = two_ranks[rank]
+        assert set(r["counts"]) == set(mem.MEMORY_PRECISIONS)
+        assert {row["mode"] for row in r["checkpointing"]} == set(mem.CHECKPOINT_MODES)
+        assert r["resume"]["runs"]["resumed with the scaler's state"]["max_param_diff"] == 0.0
+        assert set(r["clipping"]) == {"unscale_ then clip", "clip scaled gradients"}
 
 
 def _worker(case: str) -> None:
@@ -270,6 +391,8 @@ def _worker(case: str) -> None:
         fm.lab(ctx)
         lp.lab(ctx)
         mem.lab(ctx)
+        swap.lab(ctx)
+        amp.lab(ctx)
         g = torch.Generator().manual_seed(100 + ctx.rank)
         local = torch.randn(4096, generator=g).to(ctx.device)
         mean_bf16 = lp.all_reduce_mean(local, torch.bfloat16, ctx.world_size)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.exercise import EDITION_STAMP, NOTICE_CLASS
+from helpers.exercise import EDITION_STAMP, NOTICE_CLASS, stub_messages
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p.name for p in (REPO_ROOT / "notebooks").glob("*.ipynb"))
@@ -57,8 +57,10 @@ def exercises_by_notebook(edition: Path) -> dict[str, set[str]]:
     """{"04": {"ring_all_reduce"}, ...} from the stubs in the edition's labs."""
     found: dict[str, set[str]] = {}
     for lab in (edition / "labs").glob("lab*.py"):
-        for name, number in STUB.findall(lab.read_text()):
-            found.setdefault(number, set()).add(name)
+        for message in stub_messages(lab.read_text()):
+            match = STUB.match(message)
+            if match:
+                found.setdefault(match.group(2), set()).add(match.group(1))
     return found
 
 

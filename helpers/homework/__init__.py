@@ -3,7 +3,8 @@
     python -m helpers.homework release DIR             # instructor: write the student edition
     python -m helpers.homework check [NN]              # student: public tests, summary per exercise
     python -m helpers.homework submit                  # student: checks + archive (path = last line)
-    python -m helpers.homework grade A.tar.gz... --out DIR   # instructor: hidden + public tests
+    python -m helpers.homework grade A.tar.gz... --out DIR   # instructor: hidden + public tests,
+                                                             # each submission in a sandbox
 
 (`./run.sh check|submit|release|grade ...` runs the same from the repository root.)
 
@@ -14,6 +15,8 @@ Public tests are `tests/public/test_labNN_*.py`, hidden ones `tests/hidden/test_
 marked `@pytest.mark.exercise("name")` and optionally `@pytest.mark.points(n)` (default 1).
 
 Modules: exercises (find and stub solution blocks), files (what ships, notebook stripping),
-release, plugin (the pytest plugin that records results), runner (bounded pytest runs), check,
-archive (submission archive safety), submit, grade. Nothing here imports torch.
+release, plugin (markers and result categories for pytest-reportlog's stream), runner (bounded
+pytest runs, one process per run, reports checked), sandbox (bubblewrap), check, archive
+(submission archive safety), submit, grade (trusted collection, canaries, verdicts). Nothing here
+imports torch.
 """

@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from helpers.homework.files import from_caller
+from helpers.homework.grade import DEFAULT_BUDGET_S
 from helpers.homework.runner import DEFAULT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]  # the course whose helpers/ this is
@@ -26,26 +28,33 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds for all checks together (default %(default)g)")
 
     release = commands.add_parser("release", help="write the student edition into DIR")
-    release.add_argument("dir", type=Path)
+    release.add_argument("dir", type=Path, help="relative paths are relative to where you are")
     release.add_argument("--force", action="store_true",
                          help="replace DIR if it holds an earlier student edition")
     release.add_argument("--strict", action="store_true",
                          help="also refuse when a solution line appears outside the solution blocks")
 
-    grade = commands.add_parser("grade", help="grade submission archives into DIR")
+    grade = commands.add_parser("grade", help="grade submission archives into DIR, each in a sandbox")
     grade.add_argument("archives", nargs="+", type=Path)
-    grade.add_argument("--out", type=Path, required=True, help="folder for grades.csv and feedback")
+    grade.add_argument("--out", type=Path, required=True,
+                       help="folder for grades.csv, feedback and logs (outside the repository, or "
+                            "ignored by git)")
     grade.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                        help="seconds per test (default %(default)g)")
+    grade.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                       help="seconds per submission, all its tests together (default %(default)g)")
     grade.add_argument("--lab", action="append", default=None,
                        help="grade only lab NN's tests (repeat for several)")
+    grade.add_argument("--unsafe", action="store_true",
+                       help="grade without the sandbox when none can be made (throwaway machines "
+                            "only: the submissions' code then runs with your rights)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if getattr(args, "timeout", 1) <= 0:
-        print("--timeout must be positive", file=sys.stderr)
+    if getattr(args, "timeout", 1) <= 0 or getattr(args, "budget", 1) <= 0:
+        print("--timeout and --budget must be positive", file=sys.stderr)
         return 2
     if args.command == "check":
         from helpers.homework.check import normalise_lab, run_check
@@ -62,18 +71,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "release":
         from helpers.homework.release import ReleaseError, release
         try:
-            release(ROOT, args.dir, force=args.force, strict=args.strict)
+            release(ROOT, from_caller(args.dir), force=args.force, strict=args.strict)
         except ReleaseError as exc:
             print(f"release: {exc}", file=sys.stderr)
             return 1
         return 0
     from helpers.homework.check import normalise_lab
+    from helpers.homework.files import NotACheckout
     from helpers.homework.grade import GradingError, grade
     try:
         labs = [normalise_lab(lab) for lab in args.lab] if args.lab else None
-        grade(args.archives, args.out, ROOT, args.timeout, labs)
-    except (GradingError, ValueError) as exc:
+        rows = grade([from_caller(a) for a in args.archives], from_caller(args.out), ROOT,
+                     args.timeout, labs, budget=args.budget, unsafe=args.unsafe)
+    except (GradingError, NotACheckout, ValueError) as exc:
         print(f"grade: {exc}", file=sys.stderr)
+        return 1
+    failed = [row for row in rows if not row.graded]
+    if failed:
+        print(f"grade: {len(failed)} of {len(rows)} archive(s) could not be graded: "
+              + ", ".join(f"{row.submission} ({row.note})" for row in failed), file=sys.stderr)
         return 1
     return 0
 

@@ -2,16 +2,26 @@
 
 Each exercise is passed (all its tests pass), not implemented yet (a test met the stub's
 NotImplementedError, also inside a rank), or failed (with the first failing test's message).
-Exit status 0 only when every test passed. The full pytest output goes to runs/homework/.
+Exit status 0 only when every test passed. All the lab's test files run in one pytest process
+(another one only after a crash or a hang). The full pytest output goes to runs/homework/, and
+the results of a check of all labs to runs/homework/check-all.json with a hash of labs/*.py and
+tests/public/*.py, so that `submit` can reuse them while those files are unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.homework.runner import DEFAULT_TIMEOUT_S, Outcome, TestInfo, run_tests
+from helpers.homework.runner import DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, run_tests
+
+RESULTS_FILE = "runs/homework/check-all.json"
 
 STATUS_TEXT = {"passed": "passed", "failed": "failed", "not_implemented": "not implemented yet",
                "not_run": "not run"}
@@ -52,7 +62,8 @@ def summarise(infos: list[TestInfo], outcomes: dict[str, Outcome]) -> list[Exerc
         worst = None
         for test in group.tests:
             kind = test["outcome"]
-            kind = {"timeout": "failed", "crashed": "failed", "skipped": "passed"}.get(kind, kind)
+            kind = {"timeout": "failed", "crashed": "failed", "error": "failed", "load_error": "failed",
+                    "skipped": "passed"}.get(kind, kind)
             if worst is None or rank[kind] > rank[worst[0]]:
                 worst = (kind, test["message"])
         group.status, group.message = worst if worst else ("passed", "")
@@ -91,8 +102,9 @@ def run_check(root: Path, lab: str | None = None, timeout: float = DEFAULT_TIMEO
         if not quiet:
             log(f"  {STATUS_TEXT.get(outcome.outcome, outcome.outcome):<20} {outcome.nodeid}")
 
-    infos, outcomes = run_tests(root, files, timeout=timeout, deadline=deadline,
-                                log_path=log_path, on_outcome=progress)
+    run = run_tests(Direct(root), files, timeout=timeout, deadline=deadline, log_path=log_path,
+                    on_outcome=progress)
+    infos, outcomes = run.tests, run.outcomes
     results = summarise(infos, outcomes)
     log("")
     width = max([len("exercise")] + [len(r.exercise) for r in results])
@@ -108,6 +120,50 @@ def run_check(root: Path, lab: str | None = None, timeout: float = DEFAULT_TIMEO
     failing = [t["test"].split("::")[0] for r in results if r.status != "passed" for t in r.tests
                if t["outcome"] not in ("passed", "skipped")]
     if failing:
-        log(f"Debug with: .venv/bin/python -m pytest {failing[0]} -x")
+        log(f"Debug with: {debug_command(root, failing[0], lab)}")
     ok = all(o.passed or o.outcome == "skipped" for o in outcomes.values())
-    return results, 0 if ok and outcomes else 1
+    status = 0 if ok and outcomes else 1
+    if lab is None and not any(o.outcome == "not_run" for o in outcomes.values()):
+        save_results(root, results, status)
+    return results, status
+
+
+def debug_command(root: Path, test_file: str, lab: str | None) -> str:
+    """How to run the failing file by hand, with the interpreter actually in use."""
+    python = Path(sys.executable)
+    if python.is_absolute() and python.is_relative_to(root):
+        python = python.relative_to(root)
+    if " " in str(python):
+        return f"./run.sh check {lab}" if lab else "./run.sh check"
+    return f"{python} -m pytest {test_file} -x"
+
+
+def inputs_hash(root: Path) -> str:
+    """What the public checks depend on that a student changes: labs/*.py and tests/public/*.py."""
+    digest = hashlib.sha256()
+    for folder, pattern in (("labs", "*.py"), ("tests/public", "*.py")):
+        for path in sorted((root / folder).glob(pattern)):
+            digest.update(f"{folder}/{path.name}\0".encode())
+            digest.update(path.read_bytes() if path.is_file() else b"")
+            digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def save_results(root: Path, results: list[ExerciseResult], status: int) -> None:
+    path = root / RESULTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"hash": inputs_hash(root), "status": status,
+            "smoke": os.environ.get("COURSE_SMOKE", ""),
+            "results": [dataclasses.asdict(r) for r in results]}
+    path.write_text(json.dumps(data, indent=1))
+
+
+def saved_results(root: Path) -> tuple[list[ExerciseResult], int] | None:
+    """The results of the last check of all labs, if labs/ and tests/public/ are unchanged since."""
+    try:
+        data = json.loads((root / RESULTS_FILE).read_text())
+        if data["hash"] != inputs_hash(root) or data.get("smoke", "") != os.environ.get("COURSE_SMOKE", ""):
+            return None
+        return [ExerciseResult(**r) for r in data["results"]], int(data["status"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

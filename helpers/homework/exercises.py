@@ -1,16 +1,16 @@
 """Find solution blocks and replace them by stubs.
 
 A block is the lines strictly between a BEGIN and an END marker line (nbgrader's markers, written
-here as "###" + " BEGIN SOLUTION" so that this file holds no marker line itself). In a `.py` lab or
-a notebook code cell the block becomes
+here as "###" + " BEGIN SOLUTION" so that this file holds no marker line itself). Exercises live in
+labs/*.py only (release refuses markers anywhere else, notebooks included). The block becomes
 
     # Exercise: write your code here, in place of the raise below.
     raise NotImplementedError(
         "Exercise <name> (notebook NN_topic.ipynb): <first docstring line>. Fill in the block in "
         "labs/labNN_x.py and run ./run.sh check NN")
 
-at the BEGIN marker's indentation, where <name> is the enclosing function (`Class.method`). In a
-notebook markdown cell it becomes "YOUR ANSWER HERE". Anything odd (a misspelt or unpaired marker,
+at the BEGIN marker's indentation, where <name> is the enclosing function (`Class.method`).
+Anything odd (a misspelt or unpaired marker,
 a block outside a function, a stubbed file that no longer parses) raises ExerciseError naming the
 file and line, so a release never goes out half-stubbed.
 """
@@ -27,7 +27,6 @@ END = "###" + " END SOLUTION"
 # Anything that looks like a marker, exact or not: "#BEGIN SOLUTION", "## end solution", ...
 MARKER_LIKE = re.compile(r"^\s*#+\s*(BEGIN|END)\s+SOLUTION\b", re.IGNORECASE)
 STUB_COMMENT = "# Exercise: write your code here, in place of the raise below."
-MARKDOWN_STUB = "YOUR ANSWER HERE"
 LAB_NAME = re.compile(r"^lab(\d+)_")
 _PLACEHOLDER = "__HOMEWORK_STUB_{}__"
 
@@ -39,13 +38,12 @@ class ExerciseError(ValueError):
 @dataclass
 class Block:
     path: str                 # file the block is in (relative, posix), e.g. labs/lab04_ring.py
-    begin: int                # 1-based line of the BEGIN marker (in a notebook: in its cell)
+    begin: int                # 1-based line of the BEGIN marker
     end: int                  # 1-based line of the END marker
     indent: str               # the BEGIN marker's indentation, reused by the stub
     solution: list[str]       # the lines between the markers, as written
     exercise: str = ""        # enclosing function: "ring_all_reduce" or "Bucketer.add"
     hint: str = ""            # first line of that function's docstring
-    cell: int | None = None   # notebook cell index, None for a .py file
 
 
 @dataclass
@@ -58,9 +56,9 @@ def is_marker_like(line: str) -> bool:
     return bool(MARKER_LIKE.match(line))
 
 
-def find_blocks(text: str, path: str, cell: int | None = None) -> list[Block]:
+def find_blocks(text: str, path: str) -> list[Block]:
     """The solution blocks of one source text; ExerciseError for malformed or unpaired markers."""
-    where = f"{path}" + (f" (cell {cell})" if cell is not None else "")
+    where = path
     blocks: list[Block] = []
     open_block: Block | None = None
     for number, line in enumerate(text.splitlines(), start=1):
@@ -77,7 +75,7 @@ def find_blocks(text: str, path: str, cell: int | None = None) -> list[Block]:
             if open_block is not None:
                 raise ExerciseError(f"{where}:{number}: BEGIN SOLUTION inside the block opened at "
                                     f"line {open_block.begin}; close it first")
-            open_block = Block(path, number, 0, indent, [], cell=cell)
+            open_block = Block(path, number, 0, indent, [])
         else:
             if open_block is None:
                 raise ExerciseError(f"{where}:{number}: END SOLUTION without a BEGIN SOLUTION")
@@ -98,13 +96,12 @@ def lab_number(path: str) -> str:
     return match.group(1) if match else ""
 
 
-def stub_message(block: Block, notebook: str, number: str, in_notebook: bool) -> str:
+def stub_message(block: Block, notebook: str, number: str) -> str:
     # a docstring that opens with "Exercise (name): ..." would repeat the word: keep what follows
     hint = re.sub(r"^Exercise\b[^:]{0,60}:\s*", "", block.hint).rstrip(". ") or "see the notebook"
     where = f"notebook {notebook}" if notebook else (f"notebook {number}" if number else "its notebook")
-    fill = "Fill in the block in this cell" if in_notebook else f"Fill in the block in {block.path}"
     check = f"./run.sh check {number}" if number else "./run.sh check"
-    return f"Exercise {block.exercise} ({where}): {hint}. {fill} and run {check}"
+    return f"Exercise {block.exercise} ({where}): {hint}. Fill in the block in {block.path} and run {check}"
 
 
 def _raise_lines(indent: str, message: str) -> list[str]:
@@ -148,7 +145,7 @@ def _functions(tree: ast.AST) -> list[tuple[ast.AST, str]]:
 _PLACEHOLDER_NAME = re.compile(r"__HOMEWORK_STUB_(\d+)__")
 
 
-def _name_blocks(stubbed: str, blocks: list[Block], where: str, top_level_name: str) -> None:
+def _name_blocks(stubbed: str, blocks: list[Block], where: str) -> None:
     """Give each block its enclosing function's name and docstring, from a placeholder parse."""
     try:
         tree = ast.parse(stubbed)
@@ -169,34 +166,9 @@ def _name_blocks(stubbed: str, blocks: list[Block], where: str, top_level_name: 
     for index, block in enumerate(blocks):
         if index in owners:
             block.exercise, block.hint = owners[index]
-        elif top_level_name:
-            block.exercise = top_level_name
         else:
             raise ExerciseError(f"{where}:{block.begin}: this solution block is not inside a "
                                 "function or method body; put exercise code in a function")
-
-
-def _stub_code(text: str, path: str, blocks: list[Block], notebook: str, cell: int | None,
-               top_level_name: str, parse: bool) -> str:
-    where = path + (f" (cell {cell})" if cell is not None else "")
-    lines = text.splitlines()
-    if parse:
-        placeholder = _replace(lines, blocks, lambda i, b: [
-            f"{b.indent}raise NotImplementedError({_PLACEHOLDER.format(i)})"])
-        _name_blocks("\n".join(placeholder) + "\n", blocks, where, top_level_name)
-    else:
-        for block in blocks:
-            block.exercise = top_level_name
-    number = lab_number(path) or lab_number_of_notebook(path)
-    final = _replace(lines, blocks, lambda i, b: _raise_lines(
-        b.indent, stub_message(b, notebook, number, cell is not None)))
-    result = "\n".join(final) + ("\n" if text.endswith("\n") else "")
-    if parse:
-        try:
-            ast.parse(result)
-        except SyntaxError as exc:  # cannot happen once the placeholder parsed; kept as a guard
-            raise ExerciseError(f"{where}:{exc.lineno}: stubbed code does not parse: {exc.msg}") from None
-    return result
 
 
 def stub_python(text: str, path: str, notebook: str = "") -> StubbedText:
@@ -204,39 +176,18 @@ def stub_python(text: str, path: str, notebook: str = "") -> StubbedText:
     blocks = find_blocks(text, path)
     if not blocks:
         return StubbedText(text, [])
-    return StubbedText(_stub_code(text, path, blocks, notebook, None, "", True), blocks)
-
-
-def stub_code_cell(text: str, path: str, cell: int) -> StubbedText:
-    """A notebook code cell. A block outside any function is named after its cell, and so is
-    every block of a cell that holds IPython syntax (%magic, !cmd), which ast cannot parse."""
-    blocks = find_blocks(text, path, cell)
-    if not blocks:
-        return StubbedText(text, [])
+    lines = text.splitlines()
+    placeholder = _replace(lines, blocks, lambda i, b: [
+        f"{b.indent}raise NotImplementedError({_PLACEHOLDER.format(i)})"])
+    _name_blocks("\n".join(placeholder) + "\n", blocks, path)
+    number = lab_number(path)
+    final = _replace(lines, blocks, lambda i, b: _raise_lines(b.indent, stub_message(b, notebook, number)))
+    result = "\n".join(final) + ("\n" if text.endswith("\n") else "")
     try:
-        ast.parse(text)
-        parse = True
-    except SyntaxError:
-        parse = False
-    notebook = Path(path).name
-    return StubbedText(_stub_code(text, path, blocks, notebook, cell, f"cell {cell}", parse), blocks)
-
-
-def stub_markdown(text: str, path: str, cell: int) -> StubbedText:
-    """nbgrader-style written answers: a block in a markdown cell becomes YOUR ANSWER HERE."""
-    blocks = find_blocks(text, path, cell)
-    if not blocks:
-        return StubbedText(text, [])
-    for block in blocks:
-        block.exercise = f"cell {cell}"
-    final = _replace(text.splitlines(), blocks, lambda i, b: [b.indent + MARKDOWN_STUB])
-    return StubbedText("\n".join(final) + ("\n" if text.endswith("\n") else ""), blocks)
-
-
-def lab_number_of_notebook(path: str) -> str:
-    """'04' for notebooks/04_collectives.ipynb."""
-    match = re.match(r"^(\d+)_", Path(path).name)
-    return match.group(1) if match and path.endswith(".ipynb") else ""
+        ast.parse(result)
+    except SyntaxError as exc:  # cannot happen once the placeholder parsed; kept as a guard
+        raise ExerciseError(f"{path}:{exc.lineno}: stubbed code does not parse: {exc.msg}") from None
+    return StubbedText(result, blocks)
 
 
 def notebook_for(root: Path, number: str) -> str:

@@ -1,13 +1,12 @@
 """Which files make up the course, which never ship, and notebooks without their outputs.
 
 The course = tracked + untracked-but-not-ignored files (`git ls-files --cached --others
---exclude-standard`), or, outside a git checkout, a walk of the tree that skips .gitignore'd paths
-and virtual environments. `.instructor-only` lists glob patterns (`tests/hidden/**`) that the
-student edition leaves out; DEFAULT_INSTRUCTOR_ONLY applies even without that file.
+--exclude-standard`): release and grade run from the instructor's git checkout, and refuse
+clearly elsewhere. `.instructor-only` lists glob patterns (`tests/hidden/**`) that the student
+edition leaves out; DEFAULT_INSTRUCTOR_ONLY applies even without that file.
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import re
@@ -18,6 +17,7 @@ from typing import Any
 INSTRUCTOR_ONLY_FILE = ".instructor-only"
 RELEASE_STAMP = ".student-edition"    # marks a folder written by release
 GRADING_STAMP = ".grading-output"      # marks a folder written by grade
+CALLER_ENV = "COURSE_CALLER_CWD"       # run.sh: the folder it was started from (before its cd)
 DEFAULT_INSTRUCTOR_ONLY = ("tests/hidden/**", INSTRUCTOR_ONLY_FILE)
 ALWAYS_SKIPPED_DIRS = {".git", ".venv", "venv", "__pycache__", ".ipynb_checkpoints", ".pytest_cache",
                        "node_modules", ".mypy_cache", ".ruff_cache"}
@@ -25,11 +25,24 @@ ALWAYS_SKIPPED_DIRS = {".git", ".venv", "venv", "__pycache__", ".ipynb_checkpoin
 VOLATILE_CELL_METADATA = ("execution", "ExecuteTime", "collapsed", "scrolled")
 
 
+class NotACheckout(RuntimeError):
+    """The course folder is not a git checkout, so what belongs to it is unknown."""
+
+
+def caller_dir() -> Path:
+    """The folder the user ran the command from (run.sh changes directory before Python starts)."""
+    return Path(os.environ.get(CALLER_ENV) or os.getcwd())
+
+
+def from_caller(path: Path) -> Path:
+    """`path` as the user meant it: relative paths are relative to the folder they ran from."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else caller_dir() / path
+
+
 def course_files(root: Path) -> list[str]:
     """Relative posix paths of the course's regular files (no symlinks), sorted."""
     listed = _git_files(root)
-    if listed is None:
-        listed = _walk_files(root)
     keep = []
     for rel in listed:
         path = root / rel
@@ -44,55 +57,17 @@ def course_files(root: Path) -> list[str]:
     return sorted({rel for rel in keep if not any(rel.startswith(w) for w in written)})
 
 
-def _git_files(root: Path) -> list[str] | None:
+def _git_files(root: Path) -> list[str]:
     try:
-        inside = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-prefix"],
-                                capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if inside.returncode != 0:
-        return None
-    done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
-                           "--exclude-standard"], capture_output=True, timeout=60)
+        done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                               "--exclude-standard"], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NotACheckout(f"cannot run git in {root} ({exc}); the course must be a git checkout") from None
     if done.returncode != 0:
-        return None
+        raise NotACheckout(f"{root} is not a git checkout (git: "
+                           f"{done.stderr.decode(errors='replace').strip()}); run this from the "
+                           "course's repository, where git says which files belong to the course")
     return [p for p in done.stdout.decode("utf-8", "surrogateescape").split("\0") if p]
-
-
-def _walk_files(root: Path) -> list[str]:
-    ignore = _gitignore_patterns(root)
-    found = []
-    for folder, dirs, files in os.walk(root):
-        rel_folder = Path(folder).relative_to(root).as_posix()
-        rel_folder = "" if rel_folder == "." else rel_folder + "/"
-        dirs[:] = sorted(d for d in dirs if d not in ALWAYS_SKIPPED_DIRS
-                         and not _ignored(rel_folder + d, True, ignore))
-        found += [rel_folder + f for f in sorted(files) if not _ignored(rel_folder + f, False, ignore)]
-    return found
-
-
-def _gitignore_patterns(root: Path) -> list[str]:
-    path = root / ".gitignore"
-    if not path.is_file():
-        return []
-    lines = [line.strip() for line in path.read_text(errors="replace").splitlines()]
-    return [line for line in lines if line and not line.startswith(("#", "!"))]
-
-
-def _ignored(rel: str, is_dir: bool, patterns: list[str]) -> bool:
-    """A small subset of .gitignore: names, /anchored paths, dir/ patterns, * and ** globs."""
-    name = rel.rsplit("/", 1)[-1]
-    for pattern in patterns:
-        dir_only = pattern.endswith("/")
-        pattern = pattern.rstrip("/")
-        if dir_only and not is_dir:
-            continue
-        if "/" in pattern:
-            if glob_match(rel, pattern.lstrip("/")):
-                return True
-        elif fnmatch.fnmatchcase(name, pattern):
-            return True
-    return False
 
 
 def load_instructor_only(root: Path) -> list[str]:
@@ -136,10 +111,6 @@ def is_instructor_only(rel: str, patterns: list[str]) -> bool:
 def cell_source(cell: dict[str, Any]) -> str:
     source = cell.get("source", "")
     return "".join(source) if isinstance(source, list) else source
-
-
-def set_cell_source(cell: dict[str, Any], text: str) -> None:
-    cell["source"] = text.splitlines(keepends=True)
 
 
 def strip_notebook(nb: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """`release DIR`: write the student edition of the course and prove it holds no solution.
 
-The edition is the course's files minus instructor-only ones, with every solution block of
-`labs/**/*.py` and of notebooks replaced by a stub, and notebooks cleared of outputs. It is built
-in a sibling folder, then checked without trusting the code that built it:
+The edition is the course's files (git's view: release runs from the instructor's checkout) minus
+instructor-only ones, with every solution block of `labs/**/*.py` replaced by a stub and notebooks
+cleared of outputs. Exercises live in labs only: a solution marker in a notebook is refused. The
+edition is built in a sibling folder, then checked without trusting the code that built it:
 - no line anywhere looks like a solution marker;
 - no solution line appears, unless the instructor's files show that same line outside the
   solution blocks (then it ships anyway: it is listed as a warning, and `--strict` refuses);
@@ -23,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers.homework.exercises import (Block, ExerciseError, is_marker_like, lab_number,
-                                        notebook_for, stub_code_cell, stub_markdown, stub_python)
-from helpers.homework.files import (RELEASE_STAMP, cell_source, course_files, dump_notebook,
-                                    is_instructor_only, load_instructor_only, set_cell_source,
+                                        notebook_for, stub_python)
+from helpers.homework.files import (RELEASE_STAMP, NotACheckout, cell_source, course_files,
+                                    dump_notebook, is_instructor_only, load_instructor_only,
                                     strip_notebook)
 
 REQUIRED = ("run.sh", "README.md", "helpers/", "labs/", "tests/public/")
@@ -86,24 +87,16 @@ def _transform_notebook(rel: str, data: bytes) -> Transformed:
         nb = json.loads(data)
     except ValueError as exc:
         raise ExerciseError(f"{rel}: not a readable notebook ({exc})") from None
-    blocks, public = [], []
+    public = []
     for index, cell in enumerate(nb.get("cells", [])):
         text = cell_source(cell)
-        kind = cell.get("cell_type")
-        if kind == "code":
-            stubbed = stub_code_cell(text, rel, index)
-        elif kind == "markdown":
-            stubbed = stub_markdown(text, rel, index)
-        else:
-            stubbed = None
-        if stubbed and stubbed.blocks:
-            set_cell_source(cell, stubbed.text)
-            blocks += stubbed.blocks
-            public += _lines_outside(text, stubbed.blocks)
-        else:
-            public += text.splitlines()
+        for number, line in enumerate(text.splitlines(), start=1):
+            if is_marker_like(line):
+                raise ExerciseError(f"{rel} (cell {index}):{number}: a solution marker in a notebook; "
+                                    "exercises live in labs/*.py (the notebook calls them)")
+        public += text.splitlines()
     strip_notebook(nb)
-    return Transformed(dump_notebook(nb).encode("utf-8"), blocks, public, cleared=True)
+    return Transformed(dump_notebook(nb).encode("utf-8"), [], public, cleared=True)
 
 
 def _git_commit(root: Path) -> str:
@@ -198,8 +191,7 @@ def verify(staging: Path, written: dict[str, Transformed], patterns: list[str],
                 if not _distinctive(solution) or solution in seen:
                     continue
                 seen.add(solution)
-                here = f"{rel}:{block.begin + offset}" + (
-                    f" (cell {block.cell})" if block.cell is not None else "")
+                here = f"{rel}:{block.begin + offset}"
                 also = public.find(solution)
                 if also:  # the instructor shows this line outside the blocks too
                     if len(solution) >= WARN_CHARS:
@@ -232,7 +224,10 @@ def release(root: Path, out_dir: Path, force: bool = False, strict: bool = False
             log=print) -> ReleaseReport:
     root, out_dir = root.resolve(), out_dir.resolve()
     _check_target(root, out_dir, force)
-    files = course_files(root)
+    try:
+        files = course_files(root)
+    except NotACheckout as exc:
+        raise ReleaseError(str(exc)) from None
     if out_dir.is_relative_to(root):  # the target inside the course is not part of it
         inside = out_dir.relative_to(root).as_posix() + "/"
         files = [rel for rel in files if not rel.startswith(inside)]

@@ -1,7 +1,8 @@
 """`submit`: run the public checks, then pack the homework into submissions/<id>-<time>.tar.gz.
 
-The archive holds labs/*.py, notebooks/*.ipynb (outputs and run metadata stripped) and
-manifest.json: student id (COURSE_STUDENT_ID, else git config user.email, else user.name, else
+When `./run.sh check` (all labs) ran since labs/*.py and tests/public/*.py last changed, its
+results are reused instead (a content hash says so). The archive holds labs/*.py,
+notebooks/*.ipynb (outputs and run metadata stripped) and manifest.json: student id (COURSE_STUDENT_ID, else git config user.email, else user.name, else
 "anonymous"), UTC time, commit (if any), Python and torch versions and the check results. Nothing
 else of the student's machine goes in: no environment variables, no absolute paths. The checks are
 bounded in time (per test and in all); a failing or hanging check never stops the submission.
@@ -20,8 +21,8 @@ from importlib import metadata
 from pathlib import Path
 
 from helpers.homework import archive
-from helpers.homework.check import run_check
-from helpers.homework.files import dump_notebook, strip_notebook
+from helpers.homework.check import run_check, saved_results
+from helpers.homework.files import caller_dir, dump_notebook, strip_notebook
 from helpers.homework.runner import DEFAULT_TIMEOUT_S
 
 STUDENT_ENV = "COURSE_STUDENT_ID"
@@ -88,11 +89,18 @@ def submit(root: Path, timeout: float = DEFAULT_TIMEOUT_S, budget: float = DEFAU
            out_dir: Path | None = None, log=print) -> Path:
     root = root.resolve()
     out_dir = (out_dir or root / "submissions").resolve()
-    log(f"Running the public checks first (at most {timeout:g} s per test, {budget:g} s in all).")
     try:
-        results, status = run_check(root, None, timeout, deadline=time.monotonic() + budget,
-                                    log=log, quiet=True)
+        reused = saved_results(root)
+        if reused is not None:
+            results, status = reused
+            log("Reusing the results of your last `./run.sh check` (labs/*.py and tests/public/*.py "
+                "are unchanged since).")
+        else:
+            log(f"Running the public checks first (at most {timeout:g} s per test, {budget:g} s in all).")
+            results, status = run_check(root, None, timeout, deadline=time.monotonic() + budget,
+                                        log=log, quiet=True)
         checks = {"status": "all passed" if status == 0 else "not all passed",
+                  "reused": reused is not None,
                   "exercises": [{"exercise": r.exercise, "status": r.status,
                                  "message": _private_free(r.message, root),
                                  "tests": [dict(t, message=_private_free(t["message"], root))
@@ -131,6 +139,7 @@ def submit(root: Path, timeout: float = DEFAULT_TIMEOUT_S, budget: float = DEFAU
     log(f"  {labs} lab file(s), {notebooks} notebook(s) (outputs stripped), manifest for {student!r}; "
         f"checks: {checks['status']}.")
     log("Hand in this file:")
-    shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+    here = caller_dir()
+    shown = path.relative_to(here) if path.is_relative_to(here) else path
     log(str(shown))
     return path

@@ -1,7 +1,8 @@
 """Hidden tests of exercise `parallel_map`: edge cases and the systems property, that "thread"
 runs up to `workers` items at the same time in threads of this process and "process" in other
-processes. Barriers prove concurrency without timing anything: they only open when `workers`
-items wait at the same time (the timeouts are there so a wrong answer fails instead of hanging).
+processes, with other worker counts than the public tests. Barriers prove concurrency without
+timing anything: they only open when `workers` items wait at the same time (the timeouts are there
+so a wrong answer fails instead of hanging).
 """
 import multiprocessing
 import operator
@@ -21,13 +22,14 @@ WAIT_S = 10  # barrier timeout: generous, only a broken solution reaches it
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_empty_items_give_an_empty_list(kind):
-    assert parallel_map(python_work, [], 3, kind) == []
+    assert parallel_map(python_work, [], 3, kind) == [], f"kind={kind!r}: no items, no results"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_any_iterable_and_more_workers_than_items(kind):
     items = ((seed, 500) for seed in range(3))  # a generator, consumed once
-    assert parallel_map(python_work, items, 8, kind) == [python_work((s, 500)) for s in range(3)]
+    assert parallel_map(python_work, items, 8, kind) == [python_work((s, 500)) for s in range(3)], (
+        f"kind={kind!r}: a generator of items, more workers than items")
 
 
 @pytest.mark.points(2)
@@ -36,18 +38,21 @@ def test_torch_workloads_match_serial_exactly(kind):
     # one intra-op thread per call makes every result bit-for-bit reproducible: tolerance 0
     matmuls = [(seed, 2, 64) for seed in range(6)]
     tiny = [(seed, 50) for seed in range(6)]
-    assert parallel_map(matmul_work, matmuls, 3, kind) == [matmul_work(i) for i in matmuls]
-    assert parallel_map(tiny_ops_work, tiny, 3, kind) == [tiny_ops_work(i) for i in tiny]
+    assert parallel_map(matmul_work, matmuls, 3, kind) == [matmul_work(i) for i in matmuls], (
+        f"kind={kind!r}: matmul_work results differ from serial")
+    assert parallel_map(tiny_ops_work, tiny, 3, kind) == [tiny_ops_work(i) for i in tiny], (
+        f"kind={kind!r}: tiny_ops_work results differ from serial")
 
 
 def test_many_items_keep_their_order_in_processes():
     items = [(seed, 10) for seed in range(500)]
-    assert parallel_map(python_work, items, 2, "process") == [python_work(i) for i in items]
+    assert parallel_map(python_work, items, 2, "process") == [python_work(i) for i in items], (
+        "500 items in processes: results differ or out of order")
 
 
 def test_order_kept_when_later_items_finish_first_in_processes():
     items = [(seed, 0.3 - 0.1 * seed) for seed in range(3)]
-    assert parallel_map(io_work, items, 3, "process") == [0, 1, 2]
+    assert parallel_map(io_work, items, 3, "process") == [0, 1, 2], "results out of order"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -62,7 +67,7 @@ def test_bad_workers_raise_before_any_work(kind, workers):
     calls = []
     with pytest.raises(ValueError):
         parallel_map(calls.append, [1, 2], workers, kind)
-    assert calls == []
+    assert calls == [], "bad arguments must raise before any item runs"
 
 
 @pytest.mark.parametrize("kind", ["", "threads", "Process", None, "mpi"])
@@ -70,24 +75,26 @@ def test_bad_kind_raises_before_any_work(kind):
     calls = []
     with pytest.raises(ValueError):
         parallel_map(calls.append, [1, 2], 2, kind)
-    assert calls == []
+    assert calls == [], "bad arguments must raise before any item runs"
 
 
 def test_serial_runs_in_this_thread():
     here = (os.getpid(), threading.current_thread().name)
-    assert {tuple(r[1:]) for r in parallel_map(where_am_i, range(4), 2, "serial")} == {here}
+    assert {tuple(r[1:]) for r in parallel_map(where_am_i, range(4), 2, "serial")} == {here}, (
+        'kind="serial" must run every item in the calling thread')
 
 
 def test_threads_run_in_this_process_off_the_calling_thread():
     results = parallel_map(where_am_i, range(6), 2, "thread")
-    assert [r[0] for r in results] == list(range(6))
-    assert {r[1] for r in results} == {os.getpid()}
-    assert threading.current_thread().name not in {r[2] for r in results}
-    assert len({r[2] for r in results}) <= 2
+    assert [r[0] for r in results] == list(range(6)), "results out of order"
+    assert {r[1] for r in results} == {os.getpid()}, 'kind="thread" ran items in another process'
+    assert threading.current_thread().name not in {r[2] for r in results}, (
+        'kind="thread" ran items in the calling thread')
+    assert len({r[2] for r in results}) <= 2, "more threads than workers=2"
 
 
 @pytest.mark.points(2)
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [3, 4])
 def test_threads_run_workers_items_at_once_and_no_more(workers):
     barrier = threading.Barrier(workers, timeout=WAIT_S)  # opens only when `workers` items wait
     lock = threading.Lock()
@@ -103,24 +110,31 @@ def test_threads_run_workers_items_at_once_and_no_more(workers):
             running[0] -= 1
         return item * 10
 
-    assert parallel_map(item_fn, range(2 * workers), workers, "thread") == [
-        i * 10 for i in range(2 * workers)]
-    assert peak[0] == workers
+    try:
+        results = parallel_map(item_fn, range(2 * workers), workers, "thread")
+    except threading.BrokenBarrierError:
+        pytest.fail(f'kind="thread" never ran {workers} items at the same time')
+    assert results == [i * 10 for i in range(2 * workers)], "results differ or out of order"
+    assert peak[0] == workers, f"{peak[0]} items ran at once with workers={workers}"
 
 
 def test_processes_run_in_other_processes():
-    results = parallel_map(where_am_i, range(6), 2, "process")
-    assert [r[0] for r in results] == list(range(6))
+    results = parallel_map(where_am_i, range(9), 3, "process")
+    assert [r[0] for r in results] == list(range(9)), "results out of order"
     pids = {r[1] for r in results}
-    assert os.getpid() not in pids
-    assert 1 <= len(pids) <= 2
+    assert os.getpid() not in pids, 'kind="process" ran items in this process'
+    assert 1 <= len(pids) <= 3, f"{len(pids)} worker processes for workers=3"
 
 
 @pytest.mark.points(2)
-def test_two_processes_run_two_items_at_once():
-    # A Barrier(2) served by a manager process: wait() returns only when two workers wait on it
+def test_three_processes_run_three_items_at_once():
+    # A Barrier(3) served by a manager process: wait() returns only when three workers wait on it
     # at the same time. operator.methodcaller and the proxy are picklable.
     with multiprocessing.Manager() as manager:
-        barrier = manager.Barrier(2, timeout=WAIT_S)
+        barrier = manager.Barrier(3, timeout=WAIT_S)
         wait = operator.methodcaller("wait")
-        assert sorted(parallel_map(wait, [barrier, barrier], 2, "process")) == [0, 1]
+        try:
+            got = sorted(parallel_map(wait, [barrier] * 3, 3, "process"))
+        except threading.BrokenBarrierError:
+            pytest.fail('kind="process" never ran 3 items at the same time with workers=3')
+        assert got == [0, 1, 2], "Barrier.wait returns a distinct index per waiting process"

@@ -12,22 +12,33 @@ import traceback
 
 import pytest
 
-from helpers.launch import launch
+import labs.lab05_tensor_parallel as lab
+from helpers.exercise import Unsolved, stub_message
+from tests.conftest import launch_ranks
 
 TOL = 1e-9
 NPROC = 3
 BATCH, SEQ, D_MODEL, D_FF, STEPS = 3, 5, 6, 21, 5   # d_ff / 3 = 7 columns per rank
 SUBGROUP_D_FF = 14                                  # split over the groups {0, 1} and {2}
 HEADS, HEAD_DIM, BLOCK_FF = 6, 2, 12                # 2 heads per rank
+F_G = [lab.CopyToTensorParallelRegion.backward, lab.ReduceFromTensorParallelRegion.backward]
+GATHER = [lab.GatherFromTensorParallelRegion.backward, lab.CopyToTensorParallelRegion.backward]
+BACKWARDS = F_G + GATHER[:1]
 
 
 @pytest.fixture(scope="module")
 def results():
-    res = launch(__file__, "hidden", nproc=NPROC, timeout=240, stream=False, env={"DIST_TIMEOUT": "30"})
-    return res.results
+    """{rank: report}; nothing is launched while every backward is still the stub."""
+    all_stubs = all(stub_message(backward) for backward in BACKWARDS)
+    return launch_ranks(__file__, "hidden", nproc=NPROC, timeout=240, env={"DIST_TIMEOUT": "30"},
+                        needs=BACKWARDS if all_stubs else [])
 
 
-def case(results, name):
+def case(results, name, needs):
+    for backward in needs:
+        message = stub_message(backward)
+        if message:
+            raise Unsolved(message)
     reports = [results[rank][name] for rank in range(NPROC)]
     for rank, rep in enumerate(reports):
         if "error" in rep:  # "rank R raised <last line>", as helpers.launch words a failed rank
@@ -48,7 +59,7 @@ def assert_matches_dense(reports, what):
 @pytest.mark.exercise("f_g_backward")
 @pytest.mark.points(2)
 def test_megatron_mlp_three_ranks_odd_chunks(results):
-    reports = case(results, "megatron")
+    reports = case(results, "megatron", F_G)
     assert_matches_dense(reports, "Megatron MLP, 3 ranks, non-contiguous input")
     shape = [SEQ, BATCH, D_MODEL]  # the input was transposed
     for rep in reports:
@@ -59,7 +70,7 @@ def test_megatron_mlp_three_ranks_odd_chunks(results):
 @pytest.mark.exercise("gather_backward")
 @pytest.mark.points(2)
 def test_allgather_mlp_three_ranks(results):
-    reports = case(results, "allgather")
+    reports = case(results, "allgather", GATHER)
     assert_matches_dense(reports, "all-gather MLP, 3 ranks")
     for rep in reports:
         assert rep["calls"] == [["forward", "all_gather", [SEQ, BATCH, D_FF]],
@@ -73,20 +84,28 @@ def test_allgather_mlp_three_ranks(results):
 def test_backward_uses_the_layers_group(results):
     """Ranks {0, 1} form one tensor-parallel group and {2} another; an all-reduce over the world
     instead of ctx.group mixes the two models' gradients."""
-    reports = case(results, "subgroup_megatron")
+    reports = case(results, "subgroup_megatron", F_G)
     assert [rep["group_size"] for rep in reports] == [2, 2, 1]
     assert_matches_dense(reports, "Megatron MLP on a sub-group")
 
 
 @pytest.mark.exercise("gather_backward")
 def test_gather_backward_uses_the_rank_in_the_group(results):
-    reports = case(results, "subgroup_allgather")
+    reports = case(results, "subgroup_allgather", GATHER)
     assert_matches_dense(reports, "all-gather MLP on a sub-group")
+
+
+@pytest.mark.exercise("f_g_backward")
+def test_f_backward_three_ranks_leaves_grad_output_alone(results):
+    for rank, rep in enumerate(case(results, "f_skip", F_G)):
+        assert rep["grad_diff"] < TOL, f"rank {rank}: f's dL/dx off by {rep['grad_diff']:.2e} on 3 ranks"
+        assert rep["skip_grad_diff"] < TOL, (
+            f"rank {rank}: f's backward modified grad_output in place (a branch beside f changed)")
 
 
 @pytest.mark.exercise("gather_backward")
 def test_gather_backward_middle_rank(results):
-    for rank, rep in enumerate(case(results, "gather")):
+    for rank, rep in enumerate(case(results, "gather", GATHER)):
         assert rep["grad_diff"] < TOL, f"rank {rank}: dL/dx is not chunk {rank} of dL/dy"
         assert rep["calls"] == [["forward", "all_gather", [2, 4, 9]]], rep["calls"]
 
@@ -94,7 +113,7 @@ def test_gather_backward_middle_rank(results):
 @pytest.mark.exercise("f_g_backward")
 @pytest.mark.points(2)
 def test_transformer_block_trains_like_dense(results):
-    reports = case(results, "block")
+    reports = case(results, "block", F_G)
     assert_matches_dense(reports, "Transformer block (2 heads per rank)")
     for rep in reports:
         assert [c[:2] for c in rep["calls"]] == [["forward", "all_reduce"]] * 2 + [["backward", "all_reduce"]] * 2
@@ -110,7 +129,6 @@ def test_transformer_block_trains_like_dense(results):
 def worker_cases(ctx) -> dict:
     import torch
     import torch.distributed as dist
-    import labs.lab05_tensor_parallel as lab
     import labs.lab05_tp_transformer as block_lab
 
     dtype = torch.float64
@@ -145,6 +163,18 @@ def worker_cases(ctx) -> dict:
         mine = upstream.chunk(3, dim=-1)[ctx.rank]
         return {"grad_diff": (x.grad.cpu() - mine).abs().max().item(), "calls": log.summary()}
 
+    def f_skip_case():  # y = f(x) + branch: the add hands one gradient tensor to both
+        log = lab.CommLog()
+        gen = torch.Generator().manual_seed(9)
+        x = torch.randn(3, 5, generator=gen, dtype=dtype).to(ctx.device).requires_grad_(True)
+        weights = [torch.randn(3, 5, generator=gen, dtype=dtype) for _ in range(NPROC)]
+        skip = torch.zeros(3, 5, dtype=dtype, device=ctx.device, requires_grad=True)
+        branch = skip * 1.0  # made before f, so autograd runs f's backward first
+        y = lab.copy_to_tp_region(x, None, log) + branch
+        (y * weights[ctx.rank].to(ctx.device)).sum().backward()
+        return {"grad_diff": (x.grad.cpu() - sum(weights)).abs().max().item(),
+                "skip_grad_diff": (skip.grad.cpu() - weights[ctx.rank]).abs().max().item()}
+
     def block_case():
         log = lab.CommLog()
         dense = block_lab.dense_block(HEADS * HEAD_DIM, HEADS, BLOCK_FF, seed=7, dtype=dtype, device=ctx.device)
@@ -160,6 +190,7 @@ def worker_cases(ctx) -> dict:
         "subgroup_megatron": lambda: mlp_case("megatron", my_group, SUBGROUP_D_FF),
         "subgroup_allgather": lambda: mlp_case("allgather", my_group, SUBGROUP_D_FF),
         "gather": gather_case,
+        "f_skip": f_skip_case,
         "block": block_case,
     }
     out = {}

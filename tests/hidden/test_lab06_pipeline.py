@@ -1,4 +1,5 @@
-"""Hidden tests of lab 06's exercises: `StageExecutor.backward_step`, `one_f_one_b_schedule`.
+"""Hidden tests of lab 06's exercises: `StageExecutor.backward_step` (labs/lab06_pipeline.py),
+`one_f_one_b_schedule` (labs/lab06_schedules.py).
 
 Stricter than the public ones: 1F1B must be exactly the warm-up / steady / cool-down schedule for
 every p <= 4, m <= 8 (including m < p), finish as early as GPipe with unit and with unequal
@@ -10,13 +11,14 @@ parameters), plus in-process checks of out-of-order backwards and gradient accum
 from __future__ import annotations
 
 import sys
-import traceback
 
 import pytest
 import torch
 
-from helpers.launch import LaunchError, launch
+from helpers.exercise import solved
 from labs import lab06_pipeline as lab
+from labs import lab06_schedules as sched
+from tests.conftest import launch_ranks
 
 NPROC = 3
 STEPS = 2
@@ -50,15 +52,17 @@ def expected_1f1b(num_stages: int, num_microbatches: int) -> list[list[tuple[str
 def test_1f1b_exact_for_all_sizes():
     for p in range(1, 5):
         for m in range(1, 9):
-            assert lab.one_f_one_b_schedule(p, m) == expected_1f1b(p, m), (p, m)
+            assert sched.one_f_one_b_schedule(p, m) == expected_1f1b(p, m), (
+                f"p={p}, m={m}: not the warm-up / one-forward-one-backward / cool-down order")
 
 
 @pytest.mark.exercise("one_f_one_b_schedule")
 def test_1f1b_fewer_microbatches_than_stages():
     F, B = "F", "B"
-    assert lab.one_f_one_b_schedule(4, 2) == [
+    assert sched.one_f_one_b_schedule(4, 2) == [
         [(F, 0), (F, 1), (B, 0), (B, 1)], [(F, 0), (F, 1), (B, 0), (B, 1)],
-        [(F, 0), (F, 1), (B, 0), (B, 1)], [(F, 0), (B, 0), (F, 1), (B, 1)]]
+        [(F, 0), (F, 1), (B, 0), (B, 1)], [(F, 0), (B, 0), (F, 1), (B, 1)]], \
+        "p=4, m=2: fewer micro-batches than stages: the warm-up is min(p - s - 1, m) forwards"
 
 
 @pytest.mark.exercise("one_f_one_b_schedule")
@@ -66,13 +70,15 @@ def test_1f1b_as_fast_as_gpipe_and_exact_memory_bound():
     """Same makespan as GPipe (same bubble), but only min(p - s, m) activations held."""
     for p in range(1, 5):
         for m in range(1, 9):
-            schedule = lab.one_f_one_b_schedule(p, m)
+            schedule = sched.one_f_one_b_schedule(p, m)
             assert all(isinstance(a, tuple) and isinstance(a[1], int) for s in schedule for a in s)
-            assert lab.peak_in_flight(schedule) == [min(p - s, m) for s in range(p)], (p, m)
+            assert sched.peak_in_flight(schedule) == [min(p - s, m) for s in range(p)], (
+                f"p={p}, m={m}: stage s must hold exactly min(p - s, m) micro-batches")
             for backward_time in (1.0, 2.0):
-                ours = lab.simulate_schedule(schedule, 1.0, backward_time)
+                ours = sched.simulate_schedule(schedule, 1.0, backward_time)
                 end = max(a.end for stage in ours for a in stage)
-                assert end == pytest.approx((m + p - 1) * (1.0 + backward_time)), (p, m)
+                assert end == pytest.approx((m + p - 1) * (1.0 + backward_time)), (
+                    f"p={p}, m={m}, t_B={backward_time}: slower than GPipe ({end})")
 
 
 # ------------------------------------------------------------------------- backward, in process
@@ -118,12 +124,8 @@ def test_last_stage_seeds_with_scaled_loss():
 # ------------------------------------------------------------------ 3 ranks, middle stage included
 @pytest.fixture(scope="module")
 def results():
-    try:
-        res = launch(__file__, "train", nproc=NPROC, timeout=180, stream=False,
-                     env={"DIST_TIMEOUT": "30"})
-    except LaunchError as exc:
-        pytest.fail(f"the {NPROC}-rank launch failed:\n{exc}")
-    return res.results
+    return launch_ranks(__file__, "train", nproc=NPROC, timeout=180, env={"DIST_TIMEOUT": "30"},
+                        needs=[lab.StageExecutor.backward_step])
 
 
 @pytest.mark.exercise("StageExecutor.backward_step")
@@ -133,15 +135,13 @@ def test_three_stage_training_equals_single_process(results, case):
     schedule_name, config = CONFIGS[case]
     reference = lab.train_reference(config, STEPS)
     for rank in range(NPROC):
-        if "error" in results[rank]:
-            pytest.fail(f"rank {rank} raised:\n{results[rank]['error']}")
-        run = results[rank]["runs"][case]
-        if run == "not implemented":
-            pytest.fail(f"{schedule_name} raised NotImplementedError")
-        assert run["stash_left"] == 0
+        run = solved(results[rank]["runs"][case])
+        assert "invalid" not in run, f"{case}: {run.get('invalid')}"
+        assert run["stash_left"] == 0, f"{case}, stage {rank}: activations left in self.stash"
         m = config.num_microbatches
         expected_peak = m if schedule_name == "GPipe" else min(NPROC - rank, m)
-        assert run["peak_held"] == expected_peak, (rank, run["peak_held"])
+        assert run["peak_held"] == expected_peak, (
+            f"{case}, stage {rank}: held {run['peak_held']} micro-batches, expected {expected_peak}")
         names = lab.build_stage_module(config, NPROC, rank).state_dict().keys()
         assert sorted(run["params"]) == sorted(names)
         for name in names:
@@ -156,26 +156,11 @@ def test_three_stage_training_equals_single_process(results, case):
 # ---------------------------------------------------------------------------------------- worker
 def worker() -> None:
     from helpers.dist import distributed
+    from tests.public.test_lab06_pipeline import train_case
 
     with distributed() as ctx:
-        try:
-            runs = {}
-            for case, (schedule_name, config) in CONFIGS.items():
-                try:
-                    lab.make_schedule(schedule_name, ctx.world_size, config.num_microbatches)
-                except NotImplementedError:
-                    runs[case] = "not implemented"
-                    continue
-                run = lab.train_pipeline(config, schedule_name, STEPS, rank=ctx.rank,
-                                         world_size=ctx.world_size, device=ctx.device)
-                runs[case] = {"losses": run["losses"], "stash_left": run["stash_left"],
-                              "peak_held": run["peak_held"],
-                              "grads": {n: t.tolist() for n, t in run["grads"].items()},
-                              "params": {n: t.tolist() for n, t in run["params"].items()}}
-            ctx.report(runs=runs)
-        except Exception:
-            ctx.report(error=traceback.format_exc())
-            raise
+        ctx.report(runs={case: train_case(name, config, STEPS, ctx.rank, ctx.world_size, ctx.device)
+                         for case, (name, config) in CONFIGS.items()})
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["train"]:

@@ -6,6 +6,7 @@ from labs.lab90_fixture import RunningMean, add_vectors
 
 @pytest.mark.exercise("add_vectors")
 def test_add_vectors_small():
+    """Two short lists of integers."""
     assert add_vectors([1, 2], [3, 4]) == [4.0, 6.0], "add_vectors([1, 2], [3, 4]) should be [4.0, 6.0]"
 
 

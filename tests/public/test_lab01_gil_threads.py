@@ -1,30 +1,43 @@
 """Public tests of exercise `parallel_map` (labs/lab01_gil_threads.py). Run them with
-`.venv/bin/python -m pytest tests/public/test_lab01_gil_threads.py -q`.
+`./run.sh check 01`.
 
-They check results and order against the serial reference, errors and bad arguments; never speed.
+They check results and order against the serial reference, errors and bad arguments, and the point
+of the exercise: "thread" runs items at the same time in threads of this process, "process" in
+other processes. Concurrency is proven with barriers, never with timings: a barrier for `workers`
+parties opens only when `workers` items wait on it at the same time, so items run one after
+another time out (after WAIT_S seconds) instead of passing.
 """
 import functools
+import multiprocessing
 import operator
+import os
+import threading
+import time
 
 import pytest
 
-from labs.lab01_gil_threads import KINDS, io_work, parallel_map, python_work
+from labs.lab01_gil_threads import KINDS, io_work, parallel_map, python_work, where_am_i
 
 pytestmark = pytest.mark.exercise("parallel_map")
+WAIT_S = 10  # barrier timeout: generous, only items that never run together reach it
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_same_results_as_serial(kind):
     items = [(seed, 2_000 + seed) for seed in range(10)]
     expected = [python_work(item) for item in items]
-    assert parallel_map(python_work, items, 2, kind) == expected
+    got = parallel_map(python_work, items, 2, kind)
+    assert got == expected, f"kind={kind!r}: results differ from [fn(item) for item in items]"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_results_come_back_in_input_order(kind):
     # item 0 waits longest, so with 4 workers the later items finish first
     items = [(seed, 0.2 - 0.05 * seed) for seed in range(4)]
-    assert parallel_map(io_work, items, 4, kind) == [0, 1, 2, 3]
+    got = parallel_map(io_work, items, 4, kind)
+    assert got == [0, 1, 2, 3], (
+        f"kind={kind!r} returned {got}: results must follow the order of the items, not the "
+        "order in which they finished (collect them by position, e.g. with pool.map)")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -43,3 +56,55 @@ def test_bad_kind_raises_value_error():
 def test_workers_below_one_raise_value_error(kind):
     with pytest.raises(ValueError):
         parallel_map(abs, [1, -2], 0, kind)
+
+
+def test_threads_run_items_at_the_same_time_in_this_process():
+    workers = 2
+    where = parallel_map(where_am_i, range(4), workers, "thread")  # (item, pid, thread name)
+    assert {r[1] for r in where} == {os.getpid()}, (
+        'kind="thread" ran items in another process: threads live in the calling process')
+    barrier = threading.Barrier(workers, timeout=WAIT_S)
+    lock = threading.Lock()
+    running, peak = [0], [0]
+
+    def meet(item):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        barrier.wait()  # BrokenBarrierError after WAIT_S if no other item runs meanwhile
+        time.sleep(0.02)  # give a thread beyond `workers`, if any, the time to show up
+        with lock:
+            running[0] -= 1
+        return item, os.getpid(), threading.get_ident()
+
+    try:
+        results = parallel_map(meet, range(2 * workers), workers, "thread")
+    except threading.BrokenBarrierError:
+        pytest.fail(f'kind="thread" with {workers} workers never ran {workers} items at the same '
+                    "time (they ran one after another): run them in a pool of threads")
+    assert [r[0] for r in results] == list(range(2 * workers)), "results out of order"
+    assert threading.get_ident() not in {r[2] for r in results}, (
+        'kind="thread" ran items in the calling thread: start worker threads')
+    assert peak[0] == workers, (
+        f'kind="thread" with workers={workers} ran {peak[0]} items at once: use exactly `workers` '
+        "threads")
+
+
+def test_processes_run_items_at_the_same_time_in_other_processes():
+    workers = 2
+    results = parallel_map(where_am_i, range(6), workers, "process")
+    assert [r[0] for r in results] == list(range(6)), "results out of order"
+    pids = {r[1] for r in results}
+    assert os.getpid() not in pids, (
+        'kind="process" ran items in this process: use a pool of worker processes '
+        "(process_pool(workers))")
+    assert len(pids) <= workers, f'kind="process" used {len(pids)} processes for workers={workers}'
+    # A Barrier(2) served by a manager process: wait() returns only when two workers wait on it
+    # at the same time. operator.methodcaller and the proxy are picklable.
+    with multiprocessing.Manager() as manager:
+        barrier = manager.Barrier(workers, timeout=WAIT_S)
+        try:
+            parallel_map(operator.methodcaller("wait"), [barrier] * workers, workers, "process")
+        except threading.BrokenBarrierError:
+            pytest.fail(f'kind="process" with {workers} workers never ran {workers} items at the '
+                        "same time (they ran one after another)")

@@ -1,16 +1,22 @@
 """Public tests of the lab 03 homework `fit` (labs/lab03_classifier.py): a Transformer classifier
-trained with DDP on 2 processes on scikit-learn's digits, at smoke size (5 epochs).
+trained with DDP on 2 processes on scikit-learn's digits, 5 epochs.
 
-A correct solution reaches about 93% test accuracy after 5 epochs (95% after 12); we ask for 85%.
-A model that does not learn stays near 10%.
+A correct solution reaches about 94% test accuracy after 5 epochs (97% after 12); we ask for 85%.
+A model that does not learn stays near 10%. Besides accuracy, the tests watch the training from
+outside: a forward hook on the model records every forward pass, so the tests know how many
+batches each rank ran, of what size, and the loss of each; the epoch losses `fit` reports must be
+the mean of those batch losses over every rank.
 
-Run:  .venv/bin/python -m pytest tests/public/test_lab03_classifier.py -q
+Run:  ./run.sh check 03
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from helpers.launch import launch
+from labs.lab03_classifier import fit
+from tests.conftest import launch_ranks
 
 
 pytestmark = pytest.mark.exercise("ddp_classifier")
@@ -21,7 +27,7 @@ MIN_ACCURACY = 0.85
 
 @pytest.fixture(scope="module")
 def runs():
-    return launch(__file__, nproc=2, timeout=180, stream=False).results
+    return launch_ranks(__file__, nproc=2, timeout=180, needs=[fit])
 
 
 def test_reaches_test_accuracy(runs):
@@ -40,8 +46,10 @@ def test_each_rank_trains_on_a_disjoint_shard(runs):
     from labs.lab03_classifier import TRAIN_SIZE
 
     for epoch in range(2):
-        shards = [runs[r]["indices_seen_first_epochs"][epoch] for r in (0, 1)]
-        assert len(shards[0]) == len(shards[1]) == TRAIN_SIZE // 2
+        shards = [runs[r]["indices"][epoch] for r in (0, 1)]
+        assert len(shards[0]) == len(shards[1]) == TRAIN_SIZE // 2, (
+            f"epoch {epoch}: each rank trained on {len(shards[0])} and {len(shards[1])} samples, "
+            f"expected {TRAIN_SIZE // 2}: give the DataLoader a DistributedSampler")
         assert set(shards[0]).isdisjoint(shards[1]), f"epoch {epoch}: the ranks share samples"
         assert set(shards[0]) | set(shards[1]) == set(range(TRAIN_SIZE))
     for rank, res in runs.items():
@@ -49,7 +57,7 @@ def test_each_rank_trains_on_a_disjoint_shard(runs):
 
 
 def test_order_changes_every_epoch(runs):
-    first, second = runs[0]["indices_seen_first_epochs"]
+    first, second = runs[0]["indices"][:2]
     assert first != second, "epoch 1 repeats epoch 0's order: call sampler.set_epoch(epoch)"
 
 
@@ -60,10 +68,76 @@ def test_epoch_losses_are_averaged_over_ranks(runs):
     assert runs[0]["epoch_losses"][-1] < runs[0]["epoch_losses"][0]
 
 
+def test_batches_and_logged_losses(runs):
+    for rank, res in runs.items():
+        for problem in classifier_checks(res):
+            raise AssertionError(f"rank {rank}: {problem}")
+
+
+def classifier_checks(res: dict) -> list[str]:
+    """What the forward hook saw, against what fit reported; a list of problems (empty: fine)."""
+    local = res["local_batch_size"]
+    if res["forward_calls"] != res["expected_calls"]:
+        return [f"{res['forward_calls']} forward passes for {res['expected_calls']} batches of "
+                f"{local} samples: run the model once per batch of a DataLoader with "
+                "batch_size=local_batch_size over this rank's DistributedSampler shard"]
+    if res["batch_sizes"] != [local]:
+        return [f"forward passes saw batches of {res['batch_sizes']} samples, expected "
+                f"local_batch_size={local}"]
+    for epoch, (got, want) in enumerate(zip(res["epoch_losses"], res["expected_epoch_losses"])):
+        if not math.isclose(got, want, rel_tol=1e-4):
+            return [f"epoch {epoch}: reported loss {got:.5f}, but the mean of this epoch's batch "
+                    f"losses over every rank is {want:.5f}: average this rank's batch losses, then "
+                    "take the mean over ranks (mean_over_ranks)"]
+    return []
+
+
+def fit_and_observe(ctx, epochs: int = EPOCHS, local_batch_size: int | None = None,
+                    seed: int = 0) -> dict:
+    """Train with the student's `fit` under a forward hook; report what fit returned, what the
+    hook saw and the epoch losses those forward passes imply (a mean over every rank)."""
+    import torch
+    from torch import nn
+
+    from helpers.bench import intra_op_threads
+    from helpers.tensors import seeded
+    from labs.lab03_classifier import DigitTransformer, evaluate, fit, load_digits_split
+
+    train_set, test_set = load_digits_split(ctx.device)
+    local = local_batch_size or 64 // ctx.world_size
+    with seeded(0):
+        model = DigitTransformer().to(ctx.device)
+    outputs: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda module, inputs, output: outputs.append(output.detach()))
+    with intra_op_threads(1):
+        report = fit(model, train_set, epochs=epochs, local_batch_size=local, lr=2e-3,
+                     rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, seed=seed)
+    hook.remove()
+    labels = train_set.tensors[1]
+    batches = [seen[i:i + local] for seen in report.indices_seen for i in range(0, len(seen), local)]
+    local_means = torch.full((len(report.indices_seen),), float("nan"), device=ctx.device)
+    if len(outputs) == len(batches) and all(len(o) == len(b) for o, b in zip(outputs, batches)):
+        k = 0
+        for epoch, seen in enumerate(report.indices_seen):
+            count = math.ceil(len(seen) / local)
+            losses = [nn.functional.cross_entropy(outputs[k + j], labels[batches[k + j]]).item()
+                      for j in range(count)]
+            local_means[epoch] = sum(losses) / count
+            k += count
+    torch.distributed.all_reduce(local_means)  # every rank, whatever it saw: no rank is left waiting
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"test_accuracy": evaluate(model, test_set, ctx.rank, ctx.world_size), "epochs": epochs,
+            "epoch_losses": report.epoch_losses, "indices": report.indices_seen[:2],
+            "samples_seen": sum(len(seen) for seen in report.indices_seen),
+            "params_head": params[:64].tolist(), "local_batch_size": local,
+            "forward_calls": len(outputs), "expected_calls": len(batches),
+            "batch_sizes": sorted({len(o) for o in outputs}),
+            "expected_epoch_losses": (local_means / ctx.world_size).tolist()}
+
+
 if __name__ == "__main__":
     from helpers.dist import distributed
-    from labs.lab03_classifier import train_and_evaluate
 
     with distributed() as ctx:
-        ctx.report(**train_and_evaluate(ctx, epochs=EPOCHS))
+        ctx.report(**fit_and_observe(ctx))
         ctx.report(done=True)

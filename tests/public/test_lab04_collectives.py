@@ -1,12 +1,13 @@
-"""Public tests of lab 04's exercise, `ring_all_reduce` (labs/lab04_collectives.py).
+"""Public tests of lab 04's exercise, `ring_all_reduce` (labs/lab04_ring.py).
 
-Run:  .venv/bin/python -m pytest tests/public/test_lab04_collectives.py -q
+Run:  ./run.sh check 04      (or: .venv/bin/python -m pytest tests/public/test_lab04_collectives.py)
 
 One launch on 3 ranks (gloo on the CPU, or nccl with 3 GPUs) runs every case; this file is also
 its worker. World size 1 runs in this process. Each case compares the ring with dist.all_reduce on
 the same inputs and counts, with helpers.comm_bench.count_p2p, every message the ring sends and
-receives (count_p2p also makes any built-in collective raise). Inputs are whole numbers, so any
-summation order gives exactly the same sum: results must be equal, not just close.
+receives (count_p2p also makes any built-in collective raise). Most inputs are whole numbers, so
+any summation order gives exactly the same sum: results must be equal, not just close. One input
+is random floats: close to dist.all_reduce's, and the same bits on every rank.
 """
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ import sys
 import pytest
 import torch
 
-from helpers.launch import LaunchError, launch
+from labs.lab04_ring import ring_all_reduce
+from tests.conftest import launch_ranks
 
 pytestmark = pytest.mark.exercise("ring_all_reduce")
 
 NPROC = 3
-SUBGROUP = [1, 2]  # a group whose ranks are not the global ones: group rank 0 is global rank 1
+# Two groups side by side, every rank in one: [1, 2] (group rank 0 is global rank 1) and [0] alone.
+SUBGROUPS = ([1, 2], [0])
 # name: (dtype, shape); lengths divisible by 3, not divisible, fewer than the ranks, and empty
 CASES = {
     "float32 divisible": (torch.float32, (3 * 1000,)),
@@ -29,17 +32,22 @@ CASES = {
     "float64 two-dimensional": (torch.float64, (7, 5)),
     "int32 fewer elements than ranks": (torch.int32, (2,)),
     "float32 empty": (torch.float32, (0,)),
+    "float32 random": (torch.float32, (3 * 1000,)),
 }
+RANDOM = "float32 random"  # compared to rounding (rtol 1e-5), and rank against rank bit for bit
 
 
-def make_input(rank: int, dtype: torch.dtype, shape: tuple, device) -> torch.Tensor:
-    """Whole numbers in [-50, 50) that differ per rank and per position: sums are exact."""
+def make_input(rank: int, dtype: torch.dtype, shape: tuple, device, random: bool = False) -> torch.Tensor:
+    """Whole numbers in [-50, 50) that differ per rank and per position (sums are exact), or
+    random normal floats (`random`)."""
     numel = math.prod(shape)
     gen = torch.Generator().manual_seed(10 * rank + numel)
+    if random:
+        return torch.randn(shape, generator=gen, dtype=dtype).to(device)
     return torch.randint(-50, 50, shape, generator=gen).to(dtype).to(device)
 
 
-def run_case(ring_all_reduce, x: torch.Tensor, group=None) -> dict:
+def run_case(ring_all_reduce, x: torch.Tensor, group=None, keep_values: bool = False) -> dict:
     import torch.distributed as dist
     from helpers.comm_bench import count_p2p
 
@@ -48,35 +56,26 @@ def run_case(ring_all_reduce, x: torch.Tensor, group=None) -> dict:
     pointer = x.data_ptr()
     with count_p2p() as traffic:
         result = ring_all_reduce(x, group=group)
-    return {"equal": bool(torch.equal(x, expected)), "returned_input": result is x,
-            "same_storage": x.data_ptr() == pointer, "tensor_bytes": x.numel() * x.element_size(),
-            "numel": x.numel(), "itemsize": x.element_size(), **traffic.summary()}
+    return {"equal": bool(torch.equal(x, expected)),
+            "close": bool(torch.allclose(x.double(), expected.double(), rtol=1e-5, atol=1e-5)),
+            "max_diff": (x.double() - expected.double()).abs().max().item() if x.numel() else 0.0,
+            "values": x.double().flatten().tolist() if keep_values else [],
+            "returned_input": result is x, "same_storage": x.data_ptr() == pointer,
+            "tensor_bytes": x.nbytes, "numel": x.numel(), "itemsize": x.element_size(),
+            **traffic.summary()}
 
 
 # ---------------------------------------------------------------------------------------- launch
 @pytest.fixture(scope="module")
 def results():
-    """{rank: report}; if the launch failed, whatever the ranks reported before it did."""
-    try:
-        res = launch(__file__, "cases", nproc=NPROC, timeout=180, stream=False,
-                     env={"DIST_TIMEOUT": "30"})
-        return res.results, None
-    except LaunchError as exc:
-        return (exc.result.results if exc.result else {}), str(exc)
+    """{rank: report}; nothing is launched while ring_all_reduce is still the stub."""
+    return launch_ranks(__file__, "cases", nproc=NPROC, timeout=180, env={"DIST_TIMEOUT": "30"},
+                        needs=[ring_all_reduce])
 
 
 def reports(results, name: str, ranks=range(NPROC)) -> list:
-    """Every listed rank's result for one case (cases report one by one, so a crash in a
-    later case does not hide the earlier ones)."""
-    by_rank, error = results
-    out = []
-    for rank in ranks:
-        cases = by_rank.get(rank, {}).get("cases", {})
-        if name not in cases:
-            pytest.fail(f"rank {rank} has no result for case {name!r}: the launch failed before "
-                        f"it finished:\n{error}")
-        out.append(cases[name])
-    return out
+    """Every listed rank's result for one case."""
+    return [results[rank]["cases"][name] for rank in ranks]
 
 
 def check_traffic(reps: list[dict], ring_size: int) -> None:
@@ -94,7 +93,8 @@ def check_traffic(reps: list[dict], ring_size: int) -> None:
         if rep["numel"] % ring_size == 0:
             assert rep["sent_bytes"] == 2 * (ring_size - 1) * k // ring_size, (
                 f"group rank {ring_rank} sent {rep['sent_bytes']} bytes; a ring sends 2(N-1)/N "
-                f"of the {k} bytes = {2 * (ring_size - 1) * k // ring_size}")
+                f"of the {k} bytes = {2 * (ring_size - 1) * k // ring_size}: each of its 2(N-1) "
+                "steps moves one chunk of K/N, never the whole tensor")
             assert rep["recv_bytes"] == rep["sent_bytes"]
         largest_chunk = math.ceil(rep["numel"] / ring_size) * rep["itemsize"]
         assert rep["sent_bytes"] <= 2 * (ring_size - 1) * largest_chunk, (
@@ -109,9 +109,29 @@ def check_traffic(reps: list[dict], ring_size: int) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_ring_matches_all_reduce(results, name):
     for rank, rep in enumerate(reports(results, name)):
-        assert rep["equal"], f"rank {rank}: ring_all_reduce differs from dist.all_reduce ({name})"
-        assert rep["returned_input"], f"rank {rank}: return the input tensor itself (in place)"
-        assert rep["same_storage"], f"rank {rank}: the sum must be written into the input's storage"
+        assert rep["returned_input"], f"rank {rank}: return the input tensor itself, summed in place ({name})"
+        assert rep["same_storage"], f"rank {rank}: the sum must be written into the input's storage ({name})"
+        if name == RANDOM:
+            assert rep["close"], (f"rank {rank}: ring_all_reduce differs from dist.all_reduce by "
+                                  f"{rep['max_diff']:.2e} on random floats, more than rounding")
+        else:
+            assert rep["equal"], (f"rank {rank}: ring_all_reduce differs from dist.all_reduce by "
+                                  f"{rep['max_diff']:.3g} ({name})")
+
+
+def test_ring_gives_every_rank_the_same_bits(results):
+    """Random floats: every rank must hold exactly rank 0's values, as with dist.all_reduce."""
+    reps = reports(results, RANDOM)
+    for rank, rep in enumerate(reps):
+        assert rep["returned_input"] and rep["same_storage"], (
+            f"rank {rank}: return the input tensor itself, summed in place")
+    for rank, rep in enumerate(reps[1:], start=1):
+        differ = [i for i, (a, b) in enumerate(zip(rep["values"], reps[0]["values"])) if a != b]
+        assert not differ, (
+            f"rank {rank} holds other bits than rank 0 at {len(differ)} of {len(rep['values'])} "
+            f"positions (first: element {differ[0]}, {rep['values'][differ[0]]!r} vs "
+            f"{reps[0]['values'][differ[0]]!r}): each chunk's sum must be added up once, on one "
+            "rank, and only copied to the others in the all-gather phase")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -120,19 +140,25 @@ def test_ring_sends_to_next_rank_only_and_2_n_minus_1_over_n(results, name):
 
 
 def test_ring_on_a_subgroup(results):
-    """group=new_group([1, 2]): group ranks 0, 1 are global ranks 1, 2; rank 0 stays out."""
-    reps = reports(results, "subgroup", ranks=SUBGROUP)
-    for rep in reps:
-        assert rep["equal"], "ring_all_reduce on a sub-group differs from dist.all_reduce on it"
-    check_traffic(reps, len(SUBGROUP))
-    assert reports(results, "subgroup", ranks=[0]) == ["not a member"]
+    """Ranks 1, 2 reduce over new_group([1, 2]) (group ranks 0, 1 are global ranks 1, 2) while
+    rank 0 reduces over a group of its own: a ring that ignores `group` sums over all three."""
+    pair, solo = SUBGROUPS
+    reps = reports(results, "subgroup", ranks=pair)
+    for members, group_reps in ((pair, reps), (solo, reports(results, "subgroup", ranks=solo))):
+        for rep in group_reps:
+            assert rep["returned_input"], f"on the group {members}: return the input tensor itself, summed in place"
+            assert rep["equal"], (
+                f"ring_all_reduce on the group {members} differs from dist.all_reduce on it: use the "
+                "group's rank and size (dist.get_rank(group), dist.get_world_size(group)) and its "
+                "members' global ranks (dist.get_global_rank)")
+    check_traffic(reps, len(pair))
+    assert reports(results, "subgroup", ranks=solo)[0]["sends"] == 0, "a group of one sends nothing"
 
 
 def test_ring_on_one_rank_sends_nothing():
     """World size 1, in this process: the tensor comes back unchanged and nothing is sent."""
     from helpers.comm_bench import count_p2p
     from helpers.dist import distributed
-    from labs.lab04_collectives import ring_all_reduce
 
     with distributed():
         x = torch.arange(10, dtype=torch.float32)
@@ -147,20 +173,16 @@ def test_ring_on_one_rank_sends_nothing():
 def worker() -> None:
     import torch.distributed as dist
     from helpers.dist import distributed
-    from labs.lab04_collectives import ring_all_reduce
 
     with distributed() as ctx:
         cases = {}
         for name, (dtype, shape) in CASES.items():
-            x = make_input(ctx.rank, dtype, shape, ctx.device)
-            cases[name] = run_case(ring_all_reduce, x)
-            ctx.report(cases=cases)  # case by case: a later crash keeps these results
-        group = dist.new_group(SUBGROUP)  # every rank calls new_group, members or not
-        if ctx.rank in SUBGROUP:
-            x = make_input(ctx.rank, torch.float32, (2 * 333,), ctx.device)
-            cases["subgroup"] = run_case(ring_all_reduce, x, group=group)
-        else:
-            cases["subgroup"] = "not a member"
+            x = make_input(ctx.rank, dtype, shape, ctx.device, random=name == RANDOM)
+            cases[name] = run_case(ring_all_reduce, x, keep_values=name == RANDOM)
+        groups = [dist.new_group(members) for members in SUBGROUPS]  # every rank creates every group
+        mine = next(g for g, members in zip(groups, SUBGROUPS) if ctx.rank in members)
+        x = make_input(ctx.rank, torch.float32, (2 * 333,), ctx.device)
+        cases["subgroup"] = run_case(ring_all_reduce, x, group=mine)
         ctx.report(cases=cases)
 
 

@@ -1,12 +1,13 @@
 """Public tests of lab 05's exercises: the backward passes of Megatron's f and g operators and of
 the all-gather (labs/lab05_tensor_parallel.py).
 
-Run:  .venv/bin/python -m pytest tests/public/test_lab05_tensor_parallel.py -q
+Run:  ./run.sh check 05      (or: .venv/bin/python -m pytest tests/public/test_lab05_tensor_parallel.py)
 
 One launch on 2 ranks (gloo on the CPU, or nccl with 2 GPUs) runs every case; this file is also
-the worker. Everything is float64, so a correct implementation differs from the dense reference
-only by summation order (about 1e-15) and TOL = 1e-9 separates that from any real mistake (a
-missing or extra all-reduce is off by about 1e-1).
+the worker. Nothing is launched while all three backward passes are still their stubs, and a test
+whose exercise is still its stub reports it as not implemented yet. Everything is float64, so a
+correct implementation differs from the dense reference only by summation order (about 1e-15) and
+TOL = 1e-9 separates that from any real mistake (a missing or extra all-reduce is off by about 1e-1).
 """
 from __future__ import annotations
 
@@ -14,21 +15,33 @@ import traceback
 
 import pytest
 
-from helpers.launch import launch
+import labs.lab05_tensor_parallel as lab
+from helpers.exercise import Unsolved, stub_message
+from tests.conftest import launch_ranks
 
 TOL = 1e-9
 NPROC = 2
 BATCH, SEQ, D_MODEL, D_FF, STEPS = 2, 3, 8, 16, 3
+F_G = [lab.CopyToTensorParallelRegion.backward, lab.ReduceFromTensorParallelRegion.backward]
+GATHER = [lab.GatherFromTensorParallelRegion.backward, lab.CopyToTensorParallelRegion.backward]
+BACKWARDS = F_G + GATHER[:1]
 
 
 @pytest.fixture(scope="module")
 def results():
-    res = launch(__file__, "public", nproc=NPROC, timeout=180, stream=False, env={"DIST_TIMEOUT": "30"})
-    return res.results
+    """{rank: report}; nothing is launched while every backward is still the stub."""
+    all_stubs = all(stub_message(backward) for backward in BACKWARDS)
+    return launch_ranks(__file__, "public", nproc=NPROC, timeout=180, env={"DIST_TIMEOUT": "30"},
+                        needs=BACKWARDS if all_stubs else [])
 
 
-def case(results, name):
-    """Every rank's report for one case; an exception on a rank fails the test with its traceback."""
+def case(results, name, needs):
+    """Every rank's report for one case. A stub among `needs` makes the test "not implemented
+    yet"; an exception on a rank fails it with that rank's error."""
+    for backward in needs:
+        message = stub_message(backward)
+        if message:
+            raise Unsolved(message)
     reports = [results[rank][name] for rank in range(NPROC)]
     for rank, rep in enumerate(reports):
         if "error" in rep:  # "rank R raised <last line>", as helpers.launch words a failed rank
@@ -37,68 +50,111 @@ def case(results, name):
     return reports
 
 
-def assert_matches_dense(reports):
+def assert_matches_dense(reports, what=""):
     for rank, rep in enumerate(reports):
         d = rep["diffs"]
-        assert d["output"] < TOL, f"rank {rank}: output differs from dense by {d['output']:.2e}"
-        assert d["input_grad"] < TOL, f"rank {rank}: input gradient differs by {d['input_grad']:.2e}"
+        assert d["output"] < TOL, f"{what}rank {rank}: output differs from dense by {d['output']:.2e}"
+        assert d["input_grad"] < TOL, f"{what}rank {rank}: input gradient differs by {d['input_grad']:.2e}"
         for name, diff in d["grads"].items():
-            assert diff < TOL, f"rank {rank}: gradient of {name} (this rank's shard) differs by {diff:.2e}"
+            assert diff < TOL, f"{what}rank {rank}: gradient of {name} (this rank's shard) differs by {diff:.2e}"
         for name, diff in d["params_after_steps"].items():
-            assert diff < TOL, f"rank {rank}: {name} differs by {diff:.2e} after {STEPS} SGD steps"
+            assert diff < TOL, f"{what}rank {rank}: {name} differs by {diff:.2e} after {STEPS} SGD steps"
+
+
+RECORDED = "(communicate through all_reduce_sum / all_gather_last_dim: a collective called directly is not recorded)"
 
 
 @pytest.mark.exercise("f_g_backward")
-def test_f_backward_sums_every_ranks_share(results):
-    for rank, rep in enumerate(case(results, "f")):
+def test_f_backward_gives_the_whole_input_gradient(results):
+    for rank, rep in enumerate(case(results, "f", F_G)):
         assert rep["grad_diff"] < TOL, (
-            f"rank {rank}: dL/dx should be the sum over ranks of each rank's share "
-            f"(off by {rep['grad_diff']:.2e})")
+            f"rank {rank}: f's backward returned a dL/dx off by {rep['grad_diff']:.2e}: autograd's "
+            "grad_output on one rank holds only the part of dL/dx that flows through that rank's "
+            "Y_r (notebook 05, section 4, question 1)")
+
+
+@pytest.mark.exercise("f_g_backward")
+def test_f_backward_communicates_once(results):
+    for rep in case(results, "f", F_G):
         assert rep["calls"] == [["backward", "all_reduce", [BATCH, SEQ, D_MODEL]]], (
-            f"f: nothing in forward, one all-reduce of the gradient in backward; got {rep['calls']}")
+            f"f (identity forward) issued {rep['calls']}; its backward needs exactly one collective "
+            f"of the gradient {RECORDED}")
 
 
 @pytest.mark.exercise("f_g_backward")
-def test_g_backward_is_identity(results):
-    for rank, rep in enumerate(case(results, "g")):
-        assert rep["out_diff"] < TOL
+def test_f_backward_leaves_grad_output_alone(results):
+    """y = f(x) + branch: autograd hands the same gradient tensor to f and to the branch, whose
+    backward runs after f's."""
+    for rank, rep in enumerate(case(results, "f", F_G)):
+        assert rep["skip_grad_diff"] < TOL, (
+            f"rank {rank}: the gradient of a branch beside f changed by {rep['skip_grad_diff']:.2e}: "
+            "f's backward modified grad_output in place (return a new tensor; all_reduce_sum does)")
+
+
+@pytest.mark.exercise("f_g_backward")
+def test_g_backward(results):
+    for rank, rep in enumerate(case(results, "g", F_G)):
+        assert rep["out_diff"] < TOL, f"rank {rank}: g's forward output is off by {rep['out_diff']:.2e}"
         assert rep["grad_diff"] < TOL, (
-            f"rank {rank}: dL/dpartial should equal dL/dy (off by {rep['grad_diff']:.2e})")
+            f"rank {rank}: g's backward returned a dL/dpartial off by {rep['grad_diff']:.2e}: y is the "
+            "sum of the partials, so how does y change when one rank's partial changes? "
+            "(notebook 05, section 4, question 2)")
         assert rep["calls"] == [["forward", "all_reduce", [BATCH, SEQ, D_MODEL]]], (
-            f"g: one all-reduce in forward, nothing in backward; got {rep['calls']}")
+            f"g issued {rep['calls']}: its forward all-reduce is all it needs; its backward issues "
+            f"no collective {RECORDED}")
 
 
 @pytest.mark.exercise("f_g_backward")
 def test_megatron_mlp_matches_dense(results):
-    assert_matches_dense(case(results, "megatron"))
+    assert_matches_dense(case(results, "megatron", F_G))
 
 
 @pytest.mark.exercise("f_g_backward")
 def test_megatron_mlp_one_all_reduce_each_way(results):
-    for rep in case(results, "megatron"):
+    for rep in case(results, "megatron", F_G):
         assert rep["calls"] == [["forward", "all_reduce", [BATCH, SEQ, D_MODEL]],
-                                ["backward", "all_reduce", [BATCH, SEQ, D_MODEL]]]
+                                ["backward", "all_reduce", [BATCH, SEQ, D_MODEL]]], (
+            f"the Megatron MLP issued {rep['calls']}: f and g are conjugate, one all-reduce in each "
+            f"pass {RECORDED}")
+
+
+@pytest.mark.exercise("f_g_backward")
+def test_backward_uses_the_layers_group(results):
+    """Each rank is a tensor-parallel group of its own: a backward that communicates over every
+    rank instead of ctx.group mixes two separate models' gradients."""
+    assert_matches_dense(case(results, "subgroup_megatron", F_G),
+                         "Megatron MLP on a group of one rank (use ctx.group): ")
 
 
 @pytest.mark.exercise("gather_backward")
 def test_gather_backward_keeps_this_ranks_chunk(results):
-    for rank, rep in enumerate(case(results, "gather")):
+    for rank, rep in enumerate(case(results, "gather", GATHER)):
         assert rep["out_diff"] < TOL
-        assert rep["grad_shape"] == [BATCH, SEQ, D_MODEL // NPROC], f"rank {rank}: {rep['grad_shape']}"
+        assert rep["grad_shape"] == [BATCH, SEQ, D_MODEL // NPROC], (
+            f"rank {rank}: dL/dx has shape {rep['grad_shape']}; it must have x's shape")
         assert rep["grad_diff"] < TOL, (
-            f"rank {rank}: dL/dx should be columns {rank}*d/N... of dL/dy (off by {rep['grad_diff']:.2e})")
+            f"rank {rank}: dL/dx is off by {rep['grad_diff']:.2e}: which columns of y did this "
+            "rank's x become? (notebook 05, section 4, question 3)")
         assert rep["calls"] == [["forward", "all_gather", [BATCH, SEQ, D_MODEL]]], (
-            f"the all-gather's backward sends nothing; got {rep['calls']}")
+            f"the all-gather issued {rep['calls']}: every rank already holds all of dL/dy, so its "
+            f"backward needs no collective {RECORDED}")
 
 
 @pytest.mark.exercise("gather_backward")
 def test_allgather_mlp_matches_dense(results):
     """Needs f's backward too (each column layer starts with f)."""
-    reports = case(results, "allgather")
+    reports = case(results, "allgather", GATHER)
     assert_matches_dense(reports)
     for rep in reports:
         assert [c[:2] for c in rep["calls"]] == [["forward", "all_gather"], ["forward", "all_gather"],
-                                                 ["backward", "all_reduce"], ["backward", "all_reduce"]]
+                                                 ["backward", "all_reduce"], ["backward", "all_reduce"]], (
+            f"the all-gather MLP issued {rep['calls']}")
+
+
+@pytest.mark.exercise("gather_backward")
+def test_gather_backward_uses_the_rank_in_the_group(results):
+    assert_matches_dense(case(results, "subgroup_allgather", GATHER),
+                         "all-gather MLP on a group of one rank (use the rank in ctx.group): ")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,9 +164,10 @@ def test_allgather_mlp_matches_dense(results):
 
 def worker_cases(ctx) -> dict:
     import torch
-    import labs.lab05_tensor_parallel as lab
+    import torch.distributed as dist
 
     dtype = torch.float64
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank creates every group
 
     def per_rank(seed, *shape):  # a different tensor on every rank; any rank can rebuild any
         return [torch.randn(*shape, generator=torch.Generator().manual_seed(seed + r), dtype=dtype)
@@ -120,12 +177,16 @@ def worker_cases(ctx) -> dict:
         log = lab.CommLog()
         x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(0), dtype=dtype)
         x = x.to(ctx.device).requires_grad_(True)
+        skip = torch.zeros(BATCH, SEQ, D_MODEL, dtype=dtype, device=ctx.device, requires_grad=True)
         weights = per_rank(10, BATCH, SEQ, D_MODEL)
-        y = lab.copy_to_tp_region(x, None, log)
+        branch = skip * 1.0  # made before f, so autograd runs f's backward first
+        y = lab.copy_to_tp_region(x, None, log) + branch  # the add hands one gradient tensor to both
         log.phase = "backward"
         (y * weights[ctx.rank].to(ctx.device)).sum().backward()
         expected = sum(weights)  # dL/dx = sum over ranks of w_r
-        return {"grad_diff": (x.grad.cpu() - expected).abs().max().item(), "calls": log.summary()}
+        return {"grad_diff": (x.grad.cpu() - expected).abs().max().item(),
+                "skip_grad_diff": (skip.grad.cpu() - weights[ctx.rank]).abs().max().item(),
+                "calls": log.summary()}
 
     def g_case():
         log = lab.CommLog()
@@ -151,9 +212,9 @@ def worker_cases(ctx) -> dict:
                 "grad_shape": list(x.grad.shape), "grad_diff": (x.grad.cpu() - mine).abs().max().item(),
                 "calls": log.summary()}
 
-    def mlp_case(scheme):
+    def mlp_case(scheme, group=None):
         log = lab.CommLog()
-        parallel = lab.SCHEMES[scheme](lab.dense_mlp(D_MODEL, D_FF, dtype=dtype, device=ctx.device), None, log)
+        parallel = lab.SCHEMES[scheme](lab.dense_mlp(D_MODEL, D_FF, dtype=dtype, device=ctx.device), group, log)
         x, target = lab.sample_batch(BATCH, SEQ, D_MODEL, seed=3, dtype=dtype, device=ctx.device)
         calls = lab.count_collectives(parallel, log, x)
         diffs = lab.compare_training(lab.dense_mlp(D_MODEL, D_FF, dtype=dtype, device=ctx.device),
@@ -161,13 +222,16 @@ def worker_cases(ctx) -> dict:
         return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls]}
 
     cases = {"f": f_case, "g": g_case, "gather": gather_case,
-             "megatron": lambda: mlp_case("megatron"), "allgather": lambda: mlp_case("allgather")}
+             "megatron": lambda: mlp_case("megatron"), "allgather": lambda: mlp_case("allgather"),
+             "subgroup_megatron": lambda: mlp_case("megatron", groups[ctx.rank]),
+             "subgroup_allgather": lambda: mlp_case("allgather", groups[ctx.rank])}
     out = {}
     for name, fn in cases.items():
         try:
             out[name] = fn()
         except Exception:  # every rank fails the same way (e.g. NotImplementedError): report it
             out[name] = {"error": traceback.format_exc(limit=-3)}
+        dist.barrier()  # a rank that failed early waits here instead of running ahead
     return out
 
 

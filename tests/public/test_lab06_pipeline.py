@@ -1,23 +1,26 @@
-"""Public tests of lab 06's exercises (labs/lab06_pipeline.py): `StageExecutor.backward_step`
-and `one_f_one_b_schedule`.
+"""Public tests of lab 06's exercises: `StageExecutor.backward_step` (labs/lab06_pipeline.py) and
+`one_f_one_b_schedule` (labs/lab06_schedules.py).
 
-Run:  .venv/bin/python -m pytest tests/public/test_lab06_pipeline.py -q
+Run:  ./run.sh check 06
 
-One launch on 2 ranks (2 pipeline stages) trains a small model with GPipe and with 1F1B; this file
-is also its worker. The test compares every rank's stage with single-process training of the
-whole model, computed here: losses (rtol 1e-5), first-step gradients and parameters after the
-steps (atol 1e-6, float32). The single-stage and middle-stage checks run in this process.
+The schedule is checked as data: exact lists for small cases, valid (no deadlock, neighbours in
+the same order) and, the point of 1F1B, stage s never holding more than p - s micro-batches of
+activations. The backward pass is checked in this process (one stage; a middle stage) and on 2
+ranks (2 pipeline stages, one launch; this file is also its worker), against single-process
+training of the whole model: losses (rtol 1e-5), first-step gradients and parameters after the
+steps (atol 1e-6, float32).
 """
 from __future__ import annotations
 
 import sys
-import traceback
 
 import pytest
 import torch
 
-from helpers.launch import LaunchError, launch
+from helpers.exercise import solved
 from labs import lab06_pipeline as lab
+from labs import lab06_schedules as sched
+from tests.conftest import launch_ranks
 
 NPROC = 2
 STEPS = 3
@@ -26,29 +29,50 @@ CONFIG = lab.PipeConfig(width=16, num_blocks=4, num_classes=5, microbatch_size=4
 ATOL = 1e-6
 
 
+def spell(actions) -> str:
+    return " ".join(f"{kind}{i}" for kind, i in actions)
+
+
 # ------------------------------------------------------------------------------ 1F1B schedule
 @pytest.mark.exercise("one_f_one_b_schedule")
 def test_one_f_one_b_small_cases():
     F, B = "F", "B"
-    assert lab.one_f_one_b_schedule(2, 3) == [
-        [(F, 0), (F, 1), (B, 0), (F, 2), (B, 1), (B, 2)],
-        [(F, 0), (B, 0), (F, 1), (B, 1), (F, 2), (B, 2)]]
-    assert lab.one_f_one_b_schedule(1, 2) == [[(F, 0), (B, 0), (F, 1), (B, 1)]]
-    assert lab.one_f_one_b_schedule(3, 4)[0] == [
-        (F, 0), (F, 1), (F, 2), (B, 0), (F, 3), (B, 1), (B, 2), (B, 3)]
+    cases = {
+        (2, 3): [[(F, 0), (F, 1), (B, 0), (F, 2), (B, 1), (B, 2)],
+                 [(F, 0), (B, 0), (F, 1), (B, 1), (F, 2), (B, 2)]],
+        (1, 2): [[(F, 0), (B, 0), (F, 1), (B, 1)]],
+        (3, 4): [[(F, 0), (F, 1), (F, 2), (B, 0), (F, 3), (B, 1), (B, 2), (B, 3)],
+                 [(F, 0), (F, 1), (B, 0), (F, 2), (B, 1), (F, 3), (B, 2), (B, 3)],
+                 [(F, 0), (B, 0), (F, 1), (B, 1), (F, 2), (B, 2), (F, 3), (B, 3)]],
+    }
+    for (p, m), expected in cases.items():
+        got = sched.one_f_one_b_schedule(p, m)
+        assert isinstance(got, list) and len(got) == p, (
+            f"p={p}, m={m}: expected a list with one list of actions per stage, got {got!r}")
+        for stage, (want, have) in enumerate(zip(expected, got)):
+            hint = (" (that is GPipe's order: 1F1B starts backwards after p - s - 1 warm-up "
+                    "forwards)" if list(have) == sched.gpipe_schedule(p, m)[stage] and p > 1 else "")
+            assert list(have) == want, (f"p={p}, m={m}, stage {stage}: expected {spell(want)}, "
+                                        f"got {spell(have)}{hint}")
 
 
 @pytest.mark.exercise("one_f_one_b_schedule")
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
 def test_one_f_one_b_valid_and_bounded(num_stages):
     for num_microbatches in range(1, 9):
-        schedule = lab.one_f_one_b_schedule(num_stages, num_microbatches)
-        assert len(schedule) == num_stages
-        lab.validate_schedule(schedule, num_microbatches)   # raises if invalid or deadlocking
-        peaks = lab.peak_in_flight(schedule)
-        for stage, peak in enumerate(peaks):
-            assert peak <= num_stages - stage, (
-                f"p={num_stages}, m={num_microbatches}: stage {stage} holds {peak} micro-batches")
+        schedule = sched.one_f_one_b_schedule(num_stages, num_microbatches)
+        assert len(schedule) == num_stages, (
+            f"p={num_stages}, m={num_microbatches}: {len(schedule)} stages in the schedule")
+        try:
+            sched.validate_schedule(schedule, num_microbatches)
+        except ValueError as exc:
+            pytest.fail(f"p={num_stages}, m={num_microbatches}: the schedule is not valid: {exc}")
+        for stage, peak in enumerate(sched.peak_in_flight(schedule)):
+            bound = min(num_stages - stage, num_microbatches)
+            assert peak <= bound, (
+                f"p={num_stages}, m={num_microbatches}: stage {stage} holds the activations of "
+                f"{peak} micro-batches at once; 1F1B must hold at most min(p - s, m) = {bound} "
+                f"(start each backward as early as possible): {spell(schedule[stage])}")
 
 
 # ------------------------------------------------------------------------- backward, in process
@@ -58,11 +82,17 @@ def test_single_stage_training_equals_reference():
     reference = lab.train_reference(CONFIG, STEPS)
     run = lab.train_pipeline(CONFIG, "GPipe", STEPS, rank=0, world_size=1,
                              device=torch.device("cpu"))
-    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]),
-                               rtol=1e-5, atol=ATOL)
-    for name, grad in reference["grads"].items():
-        torch.testing.assert_close(run["grads"][name], grad, rtol=0, atol=ATOL, msg=name)
     assert run["stash_left"] == 0, "backward_step must remove the micro-batch from self.stash"
+    executor_grads = run["grads"]
+    for name, grad in reference["grads"].items():
+        torch.testing.assert_close(
+            executor_grads[name], grad, rtol=0, atol=ATOL,
+            msg=lambda m, n=name: f"first-step gradient of {n} differs from single-process "
+                                  f"training (gradients must add up over the micro-batches, each "
+                                  f"loss already scaled by 1/m): {m}")
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]),
+                               rtol=1e-5, atol=ATOL,
+                               msg=lambda m: f"losses differ from single-process training: {m}")
 
 
 @pytest.mark.exercise("StageExecutor.backward_step")
@@ -79,22 +109,22 @@ def test_middle_stage_returns_input_gradient():
     x_ref = x.clone().requires_grad_(True)
     reference = lab.StageModule({1: module.blocks["1"]})
     expected = torch.autograd.grad(reference(x_ref), [x_ref, *module.parameters()], output_grad)
-    assert input_grad is not None, "stages > 0 must return dL/d(input) for the previous stage"
-    torch.testing.assert_close(input_grad, expected[0])
-    for param, grad in zip(module.parameters(), expected[1:]):
-        torch.testing.assert_close(param.grad, grad)
-    assert executor.stash == {}
+    assert input_grad is not None, ("stages > 0 must return dL/d(input): it is what the previous "
+                                    "stage needs for its own backward (send the gradient upstream)")
+    torch.testing.assert_close(input_grad, expected[0], msg=lambda m: (
+        f"the returned gradient is not dL/d(stage input) (seed autograd with output_grad): {m}"))
+    for (name, param), grad in zip(module.named_parameters(), expected[1:]):
+        assert param.grad is not None, f"backward_step left {name}.grad empty: run autograd " \
+                                       f"through the stage so the weights get their gradients"
+        torch.testing.assert_close(param.grad, grad, msg=lambda m, n=name: f"{n}.grad: {m}")
+    assert executor.stash == {}, "backward_step must remove the micro-batch from self.stash"
 
 
 # ----------------------------------------------------------------------- 2 ranks, 2 stages
 @pytest.fixture(scope="module")
 def results():
-    try:
-        res = launch(__file__, "train", nproc=NPROC, timeout=180, stream=False,
-                     env={"DIST_TIMEOUT": "30"})
-    except LaunchError as exc:
-        pytest.fail(f"the {NPROC}-rank launch failed:\n{exc}")
-    return res.results
+    return launch_ranks(__file__, "train", nproc=NPROC, timeout=180, env={"DIST_TIMEOUT": "30"},
+                        needs=[lab.StageExecutor.backward_step])
 
 
 @pytest.fixture(scope="module")
@@ -104,22 +134,24 @@ def reference():
 
 def check_training(results, reference, schedule_name: str) -> None:
     for rank in range(NPROC):
-        if "error" in results[rank]:
-            pytest.fail(f"rank {rank} raised:\n{results[rank]['error']}")
-        run = results[rank]["runs"][schedule_name]
-        if run == "not implemented":
-            pytest.fail(f"{schedule_name}: the schedule raised NotImplementedError")
+        run = solved(results[rank]["runs"][schedule_name])   # the stub's message if unsolved
+        assert "invalid" not in run, f"{schedule_name}: {run.get('invalid')}"
         assert run["stash_left"] == 0, f"rank {rank}: activations left in self.stash after a step"
         names = lab.build_stage_module(CONFIG, NPROC, rank).state_dict().keys()
-        assert sorted(run["grads"]) == sorted(names)
+        assert sorted(run["grads"]) == sorted(names), f"rank {rank}: gradients of {run['grads']}"
         for name in names:
-            torch.testing.assert_close(torch.tensor(run["grads"][name]), reference["grads"][name],
-                                       rtol=0, atol=ATOL, msg=f"rank {rank} first-step grad {name}")
-            torch.testing.assert_close(torch.tensor(run["params"][name]), reference["params"][name],
-                                       rtol=0, atol=ATOL, msg=f"rank {rank} param {name}")
+            torch.testing.assert_close(
+                torch.tensor(run["grads"][name]), reference["grads"][name], rtol=0, atol=ATOL,
+                msg=lambda m, n=name: f"{schedule_name}, stage {rank}: first-step gradient of {n} "
+                                      f"differs from single-process training: {m}")
+            torch.testing.assert_close(
+                torch.tensor(run["params"][name]), reference["params"][name], rtol=0, atol=ATOL,
+                msg=lambda m, n=name: f"{schedule_name}, stage {rank}: {n} after {STEPS} steps "
+                                      f"differs from single-process training: {m}")
     losses = results[NPROC - 1]["runs"][schedule_name]["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]),
-                               rtol=1e-5, atol=ATOL)
+                               rtol=1e-5, atol=ATOL,
+                               msg=lambda m: f"{schedule_name}: losses differ from one process: {m}")
 
 
 @pytest.mark.exercise("StageExecutor.backward_step")
@@ -131,32 +163,38 @@ def test_gpipe_training_equals_single_process(results, reference):
 def test_1f1b_training_equals_single_process(results, reference):
     check_training(results, reference, "1F1B")
     peaks = [results[rank]["runs"]["1F1B"]["peak_held"] for rank in range(NPROC)]
-    assert peaks == [2, 1], f"1F1B holds at most p - s micro-batches per stage, measured {peaks}"
+    assert peaks == [2, 1], (f"with 1F1B on 2 stages the executor held {peaks} micro-batches of "
+                             f"activations at most (stage 0, stage 1); 1F1B holds p - s = [2, 1]")
 
 
 # ---------------------------------------------------------------------------------------- worker
+def train_case(schedule_name: str, config, steps: int, rank: int, world_size: int, device) -> dict:
+    """One training run on this rank, as JSON; an unsolved or invalid schedule is reported, not run
+    (make_schedule is pure and the same on every rank, so all ranks skip it together)."""
+    from helpers.exercise import unsolved_message
+
+    try:
+        schedule = sched.make_schedule(schedule_name, world_size, config.num_microbatches)
+        sched.validate_schedule(schedule, config.num_microbatches)
+    except NotImplementedError as exc:
+        if not unsolved_message(exc):
+            raise
+        return {"unsolved": unsolved_message(exc)}
+    except ValueError as exc:   # it would hang or fail on the executor
+        return {"invalid": f"the schedule is not valid: {exc}"}
+    run = lab.train_pipeline(config, schedule_name, steps, rank=rank, world_size=world_size,
+                             device=device)
+    return {"losses": run["losses"], "stash_left": run["stash_left"], "peak_held": run["peak_held"],
+            "grads": {n: t.tolist() for n, t in run["grads"].items()},
+            "params": {n: t.tolist() for n, t in run["params"].items()}}
+
+
 def worker() -> None:
     from helpers.dist import distributed
 
     with distributed() as ctx:
-        try:
-            runs = {}
-            for name in lab.SCHEDULES:
-                try:  # a pure function, same on every rank: all ranks skip it together
-                    lab.make_schedule(name, ctx.world_size, CONFIG.num_microbatches)
-                except NotImplementedError:
-                    runs[name] = "not implemented"
-                    continue
-                run = lab.train_pipeline(CONFIG, name, STEPS, rank=ctx.rank,
-                                         world_size=ctx.world_size, device=ctx.device)
-                runs[name] = {"losses": run["losses"], "stash_left": run["stash_left"],
-                              "peak_held": run["peak_held"],
-                              "grads": {n: t.tolist() for n, t in run["grads"].items()},
-                              "params": {n: t.tolist() for n, t in run["params"].items()}}
-            ctx.report(runs=runs)
-        except Exception:
-            ctx.report(error=traceback.format_exc())
-            raise
+        ctx.report(runs={name: train_case(name, CONFIG, STEPS, ctx.rank, ctx.world_size, ctx.device)
+                         for name in sched.SCHEDULES})
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["train"]:

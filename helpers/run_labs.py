@@ -1,0 +1,33 @@
+"""Run several labs' `run(ctx)` in one torchrun launch: one torch start and one process group for
+all of them, where a launch per lab would pay both each time (seconds per launch).
+
+    from helpers.launch import launch
+    res = launch("helpers/run_labs.py", "lab03_equivalence", "lab03_training", nproc=2)
+    res.rank0["lab03_training"]      # what labs/lab03_training.py's run(ctx) returned on rank 0
+
+The labs run in the order given, on every rank, inside one `helpers.dist.distributed()`; each
+one's return value is reported under its name (and whatever it reported itself stays as it was).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: import from the repository root, not from helpers/
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from helpers.dist import distributed  # noqa: E402
+
+
+def main(names: list[str]) -> None:
+    if not names:
+        raise SystemExit("usage: helpers/run_labs.py LAB [LAB ...]   (e.g. lab03_training)")
+    labs = [importlib.import_module(f"labs.{name}") for name in names]  # a typo fails before setup
+    with distributed() as ctx:
+        for name, lab in zip(names, labs):
+            ctx.report(**{name: lab.run(ctx)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,327 @@
+"""Lab 10: diagnose this job. A training job with one bug planted at random; name it from its outputs.
+
+Run:  ./run.sh 10      (this file alone: ./run.sh labs/lab10_diagnose.py)
+
+`plant(seed)` picks one of BUGS (or none) from a seed; `run_jobs(...)` runs such jobs and returns
+what each one printed and logged, a `JobOutputs`: the error that ended it (if any) and the rank the
+launcher would blame (the first to fail), and what every rank logged: losses, gradient norms, the
+samples it trained on, digests of its parameters and buffers, the tail of its flight recorder.
+Many jobs run in one launch, side by side in threads, each on a process group of its own (a hung
+job then times out on its own group and the others go on).
+
+The job: a small regression (Linear -> BatchNorm -> ReLU -> Linear) trained for two epochs with a
+shuffling DistributedSampler, hand-written gradient averaging and plain SGD; step 0 also logs the gradient
+norm one process would get on that step's global batch, as a sanity check.
+
+Homework: `diagnose` below. Check it with `./run.sh check 10`.
+With `--lessons` (the notebook uses it) the launch also runs lab10_divergence and lab10_data, whose
+bugs these jobs plant, so one launch serves three sections of the notebook.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "4000")  # the flight recorder, read when torch starts
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.utils.data.distributed import DistributedSampler
+
+from helpers import pick
+from helpers.dist import distributed
+from helpers.exercise import attempt
+from helpers.show import table
+from labs.lab10_hangs import error_line, flight_records
+
+BUGS = {
+    "healthy": "nothing planted",
+    "collective_on_one_rank": "rank 0 alone all-reduces the final loss, to log it",
+    "collectives_in_different_orders": "at one step rank 0 all-reduces then broadcasts, the others the reverse",
+    "different_initialisation": "each rank builds the model from its own seed, and nothing broadcasts it",
+    "random_state": "at one step each rank re-initialises a few weights from its own random generator",
+    "buffer_not_synchronised": "BatchNorm's running statistics are never averaged over the ranks",
+    "no_set_epoch": "sampler.set_epoch(epoch) is never called",
+    "no_distributed_sampler": "every rank reads the whole dataset, in the same order",
+    "loss_logged_from_one_rank": "the logged loss is each rank's own, not the mean over the ranks",
+    "gradients_summed": "gradients are all-reduced (summed) and never divided by the world size",
+    "gradients_averaged_twice": "the loss is divided by the world size before the gradients are averaged",
+}
+HANG_TIMEOUT_S = 2.0  # a hung job's group gives up after this long
+IN, HIDDEN, EPOCHS, LR = 8, 16, 2, 0.05
+
+
+@dataclass
+class JobOutputs:
+    """Everything a finished (or failed) job left behind."""
+    world_size: int
+    error_rank: int | None     # the rank that failed first (the launcher blames it); None: no error
+    error: str                 # its error, one line ("RuntimeError: ..."); "" when the job succeeded
+    reports: dict[int, dict]   # rank -> what it logged (see run_job)
+
+
+# ============================================================================ the homework
+def diagnose(job: JobOutputs) -> str:
+    """Name the bug planted in `job` from its outputs: one of the keys of BUGS ("healthy" if none).
+
+    Exercise. `job.reports[rank]` holds what each rank logged (lists are in step order; a job
+    that failed has logged only the steps it finished):
+      "local_loss":     its own loss at each step;
+      "logged_loss":    the loss the job printed at each step (meant: the mean over the ranks);
+      "grad_norm":      the norm of its gradient after synchronisation, at each step;
+      "reference_grad_norm": (rank 0, step 0) the gradient norm one process gets from rank 0's
+                        weights and every rank's batch of that step (the mean of their losses);
+      "samples":        per epoch, the dataset indices it trained on, in order;
+      "param_digest", "buffer_digest": digests of its parameters / of its BatchNorm buffers,
+                        before training (index 0) and after each step (index s + 1);
+      "flight":         its flight recorder's collectives for the job's group, oldest first, as
+                        {"seq", "op", "sizes"} dicts.
+    Each bug leaves a signature: an error (which ranks' flight records hold more collectives, or
+    the same number in a different order); replicas whose parameters or buffers differ (from the
+    start, or from a later step); samples (the same across ranks, or an epoch that repeats the
+    first one's order); gradients off by a factor of the world size against the reference; a
+    logged loss that is not the mean of the ranks' losses. Compare with tolerances (e.g. relative
+    1e-4) where floats are computed in different orders; digests are exact.
+    """
+    ### BEGIN SOLUTION
+    ranks = sorted(job.reports)
+    reps = [job.reports[r] for r in ranks]
+    if job.error:
+        counts = [len(rep["flight"]) for rep in reps]
+        return "collective_on_one_rank" if len(set(counts)) > 1 else "collectives_in_different_orders"
+
+    def first_disagreement(key: str) -> int | None:
+        for i, digests in enumerate(zip(*(rep[key] for rep in reps))):
+            if len(set(digests)) > 1:
+                return i
+        return None
+
+    params_differ = first_disagreement("param_digest")
+    if params_differ is not None:
+        return "different_initialisation" if params_differ == 0 else "random_state"
+    if first_disagreement("buffer_digest") is not None:
+        return "buffer_not_synchronised"
+    if all(rep["samples"] == reps[0]["samples"] for rep in reps):
+        return "no_distributed_sampler"
+    if any(epoch == rep["samples"][0] for rep in reps for epoch in rep["samples"][1:]):
+        return "no_set_epoch"
+    ratio = job.reports[0]["grad_norm"][0] / job.reports[0]["reference_grad_norm"]
+    n = job.world_size
+    if abs(ratio - n) < 1e-3 * n:
+        return "gradients_summed"
+    if abs(ratio - 1 / n) < 1e-3:
+        return "gradients_averaged_twice"
+    for step, logged in enumerate(reps[0]["logged_loss"]):
+        mean = sum(rep["local_loss"][step] for rep in reps) / n
+        if abs(logged - mean) > 1e-4 * max(1.0, abs(mean)):
+            return "loss_logged_from_one_rank"
+    return "healthy"
+    ### END SOLUTION
+
+
+# ============================================================================ the job
+def plant(seed: int) -> str:
+    """The bug a job with this seed gets (seeded, so a job can be rerun)."""
+    return random.Random(seed).choice(sorted(BUGS))
+
+
+def job_config(seed: int, world_size: int) -> dict:
+    rng = random.Random(seed * 7919 + 1)
+    local_batch, steps_per_epoch = rng.choice([4, 6, 8]), rng.choice([3, 4])
+    return {"local_batch": local_batch, "steps_per_epoch": steps_per_epoch,
+            "size": local_batch * steps_per_epoch * world_size,
+            "bug_step": rng.randrange(1, EPOCHS * steps_per_epoch - 1)}
+
+
+def make_model(seed: int) -> nn.Sequential:
+    """Weights from an explicit generator: jobs run in threads, so no global random state."""
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (model[0].weight, model[0].bias, model[3].weight, model[3].bias):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def job_data(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(size, IN, generator=gen)
+    return x, x @ torch.randn(IN, 1, generator=gen)
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+def run_job(bug: str, seed: int, rank: int, world_size: int, group, device) -> dict:
+    """One job on `group`, with `bug` planted; returns this rank's log (and its error, if any)."""
+    cfg = job_config(seed, world_size)
+    x, y = job_data(cfg["size"])
+    log = {"local_loss": [], "logged_loss": [], "grad_norm": [], "samples": [],
+           "param_digest": [], "buffer_digest": []}
+    root = dist.get_global_rank(group, 0)
+    try:
+        model = make_model(seed + rank if bug == "different_initialisation" else seed).to(device)
+        if bug != "different_initialisation":
+            for p in model.parameters():
+                dist.broadcast(p.data, src=root, group=group)  # the same start everywhere
+        params, buffers = list(model.parameters()), [model[1].running_mean, model[1].running_var]
+        log["param_digest"].append(digest(params))
+        log["buffer_digest"].append(digest(buffers))
+        unsharded = bug == "no_distributed_sampler"
+        sampler = DistributedSampler(range(cfg["size"]), num_replicas=1 if unsharded else world_size,
+                                     rank=0 if unsharded else rank, shuffle=True, seed=seed)
+        own_random = torch.Generator().manual_seed(seed * 100 + rank)
+        step = 0
+        for epoch in range(EPOCHS):
+            if bug != "no_set_epoch":
+                sampler.set_epoch(epoch)
+            order = list(sampler)
+            log["samples"].append(order[:cfg["local_batch"] * cfg["steps_per_epoch"]])
+            for i in range(cfg["steps_per_epoch"]):
+                idx = order[i * cfg["local_batch"]:(i + 1) * cfg["local_batch"]]
+                xb, yb = x[idx].to(device), y[idx].to(device)
+                if step == 0:  # sanity check: one process on every rank's batch of this step
+                    everyone = [None] * world_size
+                    dist.all_gather_object(everyone, idx, group=group)
+                    if rank == 0:
+                        log["reference_grad_norm"] = reference_grad_norm(model, x, y, everyone, device)
+                loss = nn.functional.mse_loss(model(xb), yb)
+                for p in params:
+                    p.grad = None
+                (loss / world_size if bug == "gradients_averaged_twice" else loss).backward()
+                for p in params:
+                    dist.all_reduce(p.grad, group=group)
+                    if bug != "gradients_summed":
+                        p.grad.div_(world_size)
+                log["grad_norm"].append(torch.cat([p.grad.flatten() for p in params]).norm().item())
+                with torch.no_grad():  # plain SGD, by hand
+                    for p in params:
+                        p.sub_(LR * p.grad)
+                if bug == "random_state" and step == cfg["bug_step"]:
+                    with torch.no_grad():  # "re-initialise dead units" with this rank's generator
+                        model[0].weight[:2].copy_(torch.randn(2, IN, generator=own_random))
+                if bug != "buffer_not_synchronised":
+                    for b in buffers:
+                        dist.all_reduce(b, group=group)
+                        b.div_(world_size)
+                logged = loss.detach().clone()
+                if bug != "loss_logged_from_one_rank":
+                    dist.all_reduce(logged, group=group)
+                    logged /= world_size
+                if bug == "collectives_in_different_orders" and step == cfg["bug_step"]:
+                    give_up_soon(group)
+                    a, b = torch.ones(4, device=device), torch.ones(8, device=device)
+                    first, second = ((lambda: dist.all_reduce(a, group=group)),
+                                     (lambda: dist.broadcast(b, src=root, group=group)))
+                    (first if rank == 0 else second)()
+                    (second if rank == 0 else first)()
+                log["local_loss"].append(loss.item())
+                log["logged_loss"].append(logged.item())
+                log["param_digest"].append(digest(params))
+                log["buffer_digest"].append(digest(buffers))
+                step += 1
+        if bug == "collective_on_one_rank" and rank == 0:
+            give_up_soon(group)
+            dist.all_reduce(loss.detach().clone(), group=group)  # log the final loss, alone
+    except Exception as exc:
+        log["error"], log["error_time"] = error_line(exc), time.time()
+    log["flight"] = flight_records(group)
+    return log
+
+
+def give_up_soon(group) -> None:
+    """From here on, `group` times out after HANG_TIMEOUT_S (as DIST_TIMEOUT would for a whole job;
+    set only now so that a busy machine cannot time out the job's healthy part)."""
+    _set_pg_timeout(datetime.timedelta(seconds=HANG_TIMEOUT_S), group)
+
+
+def reference_grad_norm(model: nn.Module, x, y, batches: list[list[int]], device) -> float:
+    """The gradient norm of one process that runs every rank's batch through a copy of `model` and
+    averages the losses (each batch keeps its own BatchNorm statistics, as on its rank)."""
+    twin = copy.deepcopy(model)
+    loss = sum(nn.functional.mse_loss(twin(x[idx].to(device)), y[idx].to(device)) for idx in batches) / len(batches)
+    grads = torch.autograd.grad(loss, list(twin.parameters()))
+    return torch.cat([g.flatten() for g in grads]).norm().item()
+
+
+def run_jobs(jobs: list[tuple[str, int]], rank: int, world_size: int) -> list[dict]:
+    """Run every (bug, seed) job at once, each in a thread on a group of its own; returns this
+    rank's log of each. Call on every rank with the same list. Gloo and the CPU even on a GPU
+    machine: on nccl a hung job's watchdog would tear the whole process down, and collectives
+    issued from several threads on several communicators can deadlock each other."""
+    groups = [dist.new_group(backend="gloo") for _ in jobs]  # in the same order on every rank
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(run_job, bug, seed, rank, world_size, group, torch.device("cpu"))
+                   for (bug, seed), group in zip(jobs, groups)]
+        logs = [f.result() for f in futures]
+    dist.barrier()
+    return logs
+
+
+def job_outputs(logs_by_rank: dict[int, dict]) -> JobOutputs:
+    """One job's outputs from every rank's log: the first error by time is the one blamed."""
+    failed = sorted((log["error_time"], rank) for rank, log in logs_by_rank.items() if "error" in log)
+    reports = {rank: {k: v for k, v in log.items() if k not in ("error", "error_time")}
+               for rank, log in logs_by_rank.items()}
+    first = failed[0][1] if failed else None
+    return JobOutputs(len(logs_by_rank), first, logs_by_rank[first]["error"] if failed else "", reports)
+
+
+def gather_outputs(logs: list[dict], world_size: int) -> list[dict] | None:
+    """Rank 0 gets every job's JobOutputs (as dicts, ready for ctx.report); other ranks None."""
+    everyone = [None] * world_size
+    dist.gather_object(logs, everyone if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    return [asdict(job_outputs({r: everyone[r][j] for r in range(world_size)})) for j in range(len(logs))]
+
+
+def outputs_from_dict(data: dict) -> JobOutputs:
+    """A JobOutputs back from its report (JSON turns the rank keys into strings)."""
+    return JobOutputs(data["world_size"], data["error_rank"], data["error"],
+                      {int(r): rep for r, rep in data["reports"].items()})
+
+
+def verdicts(jobs: list[tuple[str, int]], outputs: list[dict]) -> list[dict]:
+    rows, unsolved = [], None
+    for (bug, seed), out in zip(jobs, outputs):
+        said = unsolved or attempt(diagnose, outputs_from_dict(out))
+        if isinstance(said, dict):  # the exercise's stub record: one notice is enough
+            unsolved = said
+        rows.append({"seed": seed, "diagnose says": said if isinstance(said, str) else "not done yet",
+                     "planted": bug, "right": said == bug})
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    seed = int(os.environ.get("LAB10_SEED", "0") or 0)
+    jobs = [(plant(seed + i), seed + i) for i in range(pick(6, 4))]
+    with distributed() as ctx:
+        lessons = {}
+        if "--lessons" in argv:
+            from labs import lab10_data, lab10_divergence
+            lessons = {"divergence": lab10_divergence.run(ctx.rank, ctx.world_size, ctx.device),
+                       "data": lab10_data.run(ctx.rank, ctx.world_size, ctx.device)}
+        outputs = gather_outputs(run_jobs(jobs, ctx.rank, ctx.world_size), ctx.world_size)
+        if ctx.rank == 0:
+            ctx.report(jobs=jobs, outputs=outputs, **lessons)
+            table(verdicts(jobs, outputs), title=f"{len(jobs)} mystery jobs on {ctx.world_size} ranks")
+        else:
+            ctx.report(**lessons)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,243 @@
+"""Tests of lab 10's non-exercise parts: every planted failure ends, within its timeout, with the
+diagnosis each tool should give; the silent bugs show their measured symptoms.
+
+Run:  .venv/bin/python -m pytest tests/test_lab10_debugging.py -q
+
+Pure functions (message parsing, flight-recorder tables, planting) run in this process. Four jobs
+run at once in one module fixture, since much of their time is waiting: the hang lab ending in a
+real hang (stack dumps taken while it hangs), the diagnose lab with `--lessons` (divergence, data,
+mystery jobs), and the two crash drills that start no worker. The other two drills (a rank out of
+memory, a rank killed) cost a full launch each: the notebook runs them in CI, and `run_drill`
+checks each against its signature there. Nothing here checks a timing.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from labs import lab10_crashes, lab10_diagnose, lab10_hangs
+
+HANG_S = 6.0  # the real hang's timeout: long enough for the stack dumps on a busy machine
+
+
+# ------------------------------------------------------------------------------ pure functions
+def test_short_error_cuts_detail_fingerprints_to_op_and_shape():
+    text = ("RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is running collective: "
+            "CollectiveFingerPrint(SequenceNumber=1, OpType=ALLREDUCE, TensorShape=[1], TensorDtypes=Float, "
+            "TensorDeviceTypes=TensorOptions(dtype=float (default), device=cpu)), but Rank 1 is running "
+            "collective: CollectiveFingerPrint(SequenceNumber=1OpType=BARRIER).")
+    assert lab10_hangs.short_error(text) == "mismatch: rank 0 runs ALLREDUCE[1] but rank 1 runs BARRIER"
+    assert lab10_hangs.short_error("RuntimeError: Connection closed by peer [127.0.0.1]:5. This is "
+                                   "typically caused by") == "RuntimeError: Connection closed by peer [127.0.0.1]:5"
+
+
+def test_error_line_drops_gloo_source_paths():
+    exc = RuntimeError("[/__w/pytorch/third_party/gloo/unbound_buffer.cc:78] Timed out waiting 1500ms for recv")
+    assert lab10_hangs.error_line(exc) == "RuntimeError: Timed out waiting 1500ms for recv"
+
+
+def test_flight_table_marks_collectives_a_rank_never_issued():
+    recs = {0: [{"seq": 1, "op": "all_reduce", "sizes": [[8]], "where": "a.py:3 f"},
+                {"seq": 2, "op": "all_reduce", "sizes": [[1]], "where": "a.py:5 f"}],
+            1: [{"seq": 1, "op": "all_reduce", "sizes": [[8]], "where": "a.py:3 f"}]}
+    rows = lab10_hangs.flight_table(recs)
+    assert rows[-1] == {"#": 2, "rank 0": "all_reduce[1] at a.py:5 f", "rank 1": "(never issued)"}
+
+
+def test_stack_dump_parsers():
+    py_spy = ('Process 1: python x.py\nPython v3.11\n\nThread 10 (idle): "MainThread"\n'
+              "    all_reduce (torch/distributed/distributed_c10d.py:3252)\n    main (x.py:9)\n\n"
+              'Thread 11 (idle): "Thread-1"\n    run (threading.py:1)\n')
+    assert lab10_hangs.main_thread_stack(py_spy).splitlines() == [
+        'Thread 10 (idle): "MainThread"', "    all_reduce (torch/distributed/distributed_c10d.py:3252)",
+        "    main (x.py:9)"]
+    output = ("[rank0]:hello\n[rank0]:Current thread 0x01 (most recent call first):\n"
+              '[rank0]:  File "x.py", line 9 in main\n[rank0]:\n[rank1]:Thread 0x02 (most recent call first):\n'
+              '[rank1]:  File "x.py", line 12 in barrier\n[rank1]:bye\n')
+    dumps = lab10_hangs.faulthandler_dumps(output, 2)
+    assert "line 9 in main" in dumps[0] and "line 12 in barrier" in dumps[1] and "bye" not in dumps[1]
+
+
+def test_torchrun_summary_parsers():
+    output = ("Root Cause (first observed failure):\n[0]:\n  time      : now\n  rank      : 1 (local_rank: 1)\n"
+              "  exitcode  : -9 (pid: 5)  (SIGKILL)\n  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received\n"
+              "=====\n")
+    assert lab10_crashes.root_cause(output) == {"rank": "1 (local_rank: 1)", "exitcode": "-9 (pid: 5)  (SIGKILL)",
+                                                "error_file": "<N/A>", "traceback": "Signal 9 (SIGKILL) received"}
+    assert lab10_crashes.last_exception_line("x\n[rank1]:RuntimeError: boom\ntorch.distributed.DistStoreError: "
+                                             "Timed out\n") == "torch.distributed.DistStoreError: Timed out"
+
+
+def test_plants_are_seeded_and_cover_every_bug():
+    assert [lab10_diagnose.plant(s) for s in range(40)] == [lab10_diagnose.plant(s) for s in range(40)]
+    assert set(lab10_diagnose.plant(s) for s in range(200)) == set(lab10_diagnose.BUGS)
+    for seed in range(20):
+        for world in (2, 3, 4):
+            cfg = lab10_diagnose.job_config(seed, world)
+            assert cfg["size"] == cfg["local_batch"] * cfg["steps_per_epoch"] * world
+            assert 1 <= cfg["bug_step"] < 2 * cfg["steps_per_epoch"] - 1
+
+
+def test_count_collectives_counts_inputs_and_pauses():
+    import torch.distributed as dist
+
+    from helpers.comm_count import count_collectives
+    from helpers.dist import distributed
+
+    with distributed():
+        with count_collectives() as log:
+            dist.all_reduce(torch.ones(4))
+            with log.paused():
+                dist.all_reduce(torch.ones(100))
+            out = [torch.empty(3, dtype=torch.float64)]
+            dist.all_gather(out, torch.ones(3, dtype=torch.float64))
+        assert log.ops == [("allreduce", 16), ("allgather", 24)]
+
+
+# ------------------------------------------------------------------------------ the launches
+@pytest.fixture(scope="module")
+def runs():
+    """The three jobs at once; each value is what its function returned (or the exception)."""
+    tasks = {
+        "hung": lambda: lab10_hangs.launch_hung_job(nproc=2, hang_s=HANG_S, timeout=240),
+        "silent": lambda: lab10_diagnose_launch(),
+        # the two drills that start no worker (cheap); the notebook runs all four, each checked
+        # by run_drill against its signature
+        "port in use": lambda: lab10_crashes.run_drill("port in use", 1, 240),
+        "rendezvous never completes": lambda: lab10_crashes.run_drill("rendezvous never completes", 1, 240),
+    }
+    with ThreadPoolExecutor(len(tasks)) as pool:
+        futures = {name: pool.submit(fn) for name, fn in tasks.items()}
+        out = {}
+        for name, future in futures.items():
+            try:
+                out[name] = future.result()
+            except Exception as exc:  # noqa: BLE001: each test reports its own job's failure
+                out[name] = exc
+    return out
+
+
+def lab10_diagnose_launch():
+    from helpers.launch import launch
+    return launch("labs/lab10_diagnose.py", "--lessons", nproc=2, timeout=240, stream=False,
+                  env={"LAB10_SEED": "4"})
+
+
+def get(runs, name):
+    value = runs[name]
+    if isinstance(value, Exception):
+        raise AssertionError(f"the {name} launch failed: {value}")
+    return value
+
+
+def test_real_hang_ends_with_the_timeout_error_naming_a_rank(runs):
+    job = get(runs, "hung")
+    assert job.error is not None, "the planted hang did not fail the job"
+    assert job.error.rank in (0, 1) and "Timed out" in job.error.summary, job.error.summary
+    assert job.result.seconds < HANG_S + 120, "the hang outlived its timeout by far"
+
+
+def test_stack_dumps_show_where_each_rank_waits(runs):
+    job = get(runs, "hung")
+    assert sorted(job.pids) == [0, 1], f"the ranks never reached the planted hang: {job.pids}"
+    assert "log_final_loss" in job.faulthandler.get(0, ""), job.faulthandler
+    assert "finish_training" in job.faulthandler.get(1, "") and "log_final_loss" not in job.faulthandler.get(1, "")
+    if lab10_hangs.py_spy_path():  # installed with requirements.txt; may lack ptrace permission
+        dumps = {r: d for r, d in job.py_spy.items() if not d.startswith("py-spy could not")}
+        if dumps:
+            assert "all_reduce" in lab10_hangs.main_thread_stack(dumps[0])
+            assert "barrier" in lab10_hangs.main_thread_stack(dumps[1])
+
+
+def test_clinic_each_tool_says_what_it_should(runs):
+    job = get(runs, "hung")
+    clinic = {r: job.result.results[r]["clinic"] for r in (0, 1)}
+    said = lambda case: " | ".join(str(clinic[r][case]["said"]) for r in (0, 1))  # noqa: E731
+    assert "Timed out" in said("one rank calls it, plain")
+    assert "Timed out" in said("different orders, plain")
+    assert "ALLREDUCE" in said("different orders, DETAIL") and "BROADCAST" in said("different orders, DETAIL")
+    assert "ALLREDUCE[1]" in said("one rank calls it, DETAIL") and "BROADCAST[8]" in said("one rank calls it, DETAIL")
+    assert "Ranks 1 failed to pass monitoredBarrier" in clinic[0]["a late rank, monitored_barrier"]["said"]
+    # the collective called by rank 0 alone paired with rank 1's gradient all-reduce: 100 + 2
+    same = clinic[1]["one rank calls it, same shape next, plain"]
+    assert same["error"] is None and same["seen"]["gradient sum"] == 102.0, same
+    assert "monitoredBarrier" in said("one rank calls it, same shape next, DETAIL")
+
+
+def test_flight_recorder_shows_the_extra_collective(runs):
+    job = get(runs, "hung")
+    flight = {r: job.result.results[r]["clinic"]["one rank calls it, plain"]["flight"] for r in (0, 1)}
+    assert flight[0] and flight[1], "the flight recorder recorded nothing (TORCH_FR_BUFFER_SIZE)"
+    last0, last1 = flight[0][-1], flight[1][-1]
+    assert last0["op"] == "all_reduce" and last0["sizes"] == [[1]]
+    assert last1["op"] == "broadcast" and last1["seq"] == last0["seq"]
+
+
+def test_detail_costs_something(runs):
+    overhead = get(runs, "hung").result.results[0]["detail_overhead"]
+    assert overhead["plain"] > 0 and overhead["DETAIL"] > 0
+
+
+def test_divergence_symptoms(runs):
+    out = get(runs, "silent").rank0["divergence"]
+    v = out["variants"]
+    first = {name: rec["first"] for name, rec in v.items()}
+    assert first["healthy"] is None, "dropout masks differ across ranks, the replicas must not"
+    assert first["different initialisation"]["step"] == 0
+    assert first["forgotten broadcast"] == {"step": 0, "names": ["backbone.weight", "backbone.bias"]}
+    assert first["random state"] == {"step": out["reinit_step"] + 1, "names": ["backbone.weight"]}
+    assert first["buffer not synchronised"] == {"step": 1, "names": ["norm.running_mean", "norm.running_var"]}
+    nondet = v["non-deterministic reduction"]
+    assert nondet["first"] is not None and 0 < nondet["max_diff"][-1] < 1e-5
+    for name, rec in v.items():
+        check = rec["check"]
+        if "unsolved" in check:
+            continue
+        assert (check["found"] or None) == (None if rec["first"] is None else check["found"]), name
+        if rec["first"] is not None:
+            assert check["found"]["step"] == rec["first"]["step"], name
+        assert check["bytes_per_check"] < rec["bytes_per_check"] / 10, name
+
+
+def test_data_symptoms(runs):
+    out = get(runs, "silent").rank0["data"]
+    n = out["world_size"]
+    assert out["without set_epoch"]["repeats_of_epoch_0"] == out["without set_epoch"]["later_epochs"]
+    assert out["with set_epoch"]["repeats_of_epoch_0"] == 0
+    assert out["healthy"]["param_gap_to_reference"] < 1e-5
+    assert out["no sampler"]["distinct_fraction"] == pytest.approx(1 / n)
+    assert out["no sampler"]["param_gap_to_one_process_batch_B"] < 1e-6
+    ratios = {k: r["gradient / reference"] for k, r in out["reduced twice"].items()}
+    assert ratios == pytest.approx({"DDP alone (healthy)": 1.0, "DDP + all_reduce(grad) / N": 1.0,
+                                    "DDP + all_reduce(grad)": n, "DDP + loss / N": 1 / n}, rel=1e-4)
+    lr = list(out["learning rate"].values())
+    assert lr[1]["loss"] > lr[0]["loss"] and lr[2]["loss"] < lr[1]["loss"], lr
+
+
+def test_mystery_jobs_report_what_diagnose_reads(runs):
+    res = get(runs, "silent").rank0
+    for (bug, _), out in zip(res["jobs"], res["outputs"]):
+        job = lab10_diagnose.outputs_from_dict(out)
+        assert bool(job.error) == (bug in ("collective_on_one_rank", "collectives_in_different_orders")), bug
+        for rep in job.reports.values():
+            assert {"local_loss", "logged_loss", "grad_norm", "samples", "param_digest", "flight"} <= set(rep)
+
+
+def test_startup_crash_drills_end_with_their_diagnosis(runs):
+    port = get(runs, "port in use")
+    assert "EADDRINUSE" in port.error and port.failed_rank is None, port.error
+    rendezvous = get(runs, "rendezvous never completes")
+    assert "1/2 clients joined" in rendezvous.error, rendezvous.error
+    assert rendezvous.seconds < 120, "torchrun's rendezvous timeout (3 s) did not end the job"
+
+
+def test_drill_signatures_tell_the_crashes_apart():
+    drill = lambda name, rank, error, output="": lab10_crashes.Drill(name, 1.0, rank, error, {}, output)  # noqa: E731
+    sig = lab10_crashes.SIGNATURES
+    assert sig["out of memory"](drill("out of memory", 1, "RuntimeError: DefaultCPUAllocator: can't allocate memory"))
+    assert not sig["out of memory"](drill("out of memory", 0, "RuntimeError: Connection closed by peer"))
+    assert sig["killed mid-step"](drill("killed mid-step", 0, "RuntimeError: Connection closed",
+                                        "exitcode  : -9 (pid: 5)  (SIGKILL)"))
+    assert not sig["killed mid-step"](drill("killed mid-step", 1, "", "exitcode  : 1"))
