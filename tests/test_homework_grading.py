@@ -340,6 +340,13 @@ def test_forged_results_do_not_score_and_are_flagged(run, attack):
         assert "(must fail) reported passed" in run.flags(attack)
 
 
+def test_code_changed_outside_the_exercises_is_flagged(run):
+    """Tests may rely on a lab's other code (counters, runners): a submission that changes it can
+    change what its own tests see, so the row says so (the solved controls are not flagged)."""
+    assert "code outside the exercise functions differs" in run.flags("tamper"), run.flags("tamper")
+    assert "code outside the exercise functions" not in run.flags("ada-1")
+
+
 def test_nothing_outside_the_sandbox_is_written(run):
     assert run.score("tamper") == 0
     assert _snapshot(run.course) == run.course_before, "the instructor's checkout changed"

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers.homework import archive
+from helpers.homework.exercises import changed_outside_exercises
 from helpers.homework.files import GRADING_STAMP, RELEASE_STAMP, course_files
 from helpers.homework.release import transform
 from helpers.homework.runner import (DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, child_env,
@@ -402,6 +403,13 @@ def _grade_one(graded: Graded, sub: Path, base: Path, files: list[str], collecte
             continue
         shutil.copyfile(unpacked / name, sub / name)
         overlaid.append(name)
+        course_copy = base / name
+        if not course_copy.is_file():
+            graded.flags.append(f"{name}: a file the course does not have")
+        elif changed_outside_exercises(course_copy.read_text(encoding="utf-8", errors="replace"),
+                                       (unpacked / name).read_text(encoding="utf-8", errors="replace")):
+            graded.flags.append(f"{name}: code outside the exercise functions differs from the "
+                                "course's (the tests may rely on it: review it)")
     for path in [labs, *labs.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     if not overlaid:
