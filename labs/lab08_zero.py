@@ -50,7 +50,8 @@ from helpers.accounting import count_collectives, held_bytes, summarize
 from helpers.comm_bench import all_gather_single, reduce_scatter_single
 from helpers.dist import DistContext, distributed
 from helpers.show import table
-from helpers.tensors import divide, seeded
+from helpers.tensors import divide
+from labs.lab07_memory import make_blocks
 
 STAGES = (0, 1, 2, 3)
 PARTS = ("parameters", "gradients", "optimizer state")  # the model states
@@ -59,21 +60,9 @@ LR = 1e-3
 
 
 # ============================================================================ model and data
-class Block(nn.Module):
-    """Residual MLP block, one ZeRO-3 unit: x + W2 gelu(W1 x); x: (B, width)."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
-
-
-def make_model(width: int, depth: int, seed: int = 0) -> nn.Sequential:
-    with seeded(seed):
-        return nn.Sequential(*[Block(width) for _ in range(depth)])
+# The model: notebook 07's stack of residual MLP blocks (x + W2 gelu(W1 x), x: (B, width)); each
+# block is one ZeRO-3 unit.
+make_model = make_blocks
 
 
 def make_batches(steps: int, global_batch: int, width: int, seed: int = 1) -> list:

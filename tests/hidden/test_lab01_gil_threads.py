@@ -22,11 +22,13 @@ WAIT_S = 10  # barrier timeout: generous, only a broken solution reaches it
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_empty_items_give_an_empty_list(kind):
+    """No items give an empty result list, for every kind."""
     assert parallel_map(python_work, [], 3, kind) == [], f"kind={kind!r}: no items, no results"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_any_iterable_and_more_workers_than_items(kind):
+    """Any iterable works (a generator too), and more workers than items, for every kind."""
     items = ((seed, 500) for seed in range(3))  # a generator, consumed once
     assert parallel_map(python_work, items, 8, kind) == [python_work((s, 500)) for s in range(3)], (
         f"kind={kind!r}: a generator of items, more workers than items")
@@ -35,6 +37,7 @@ def test_any_iterable_and_more_workers_than_items(kind):
 @pytest.mark.points(2)
 @pytest.mark.parametrize("kind", ["thread", "process"])
 def test_torch_workloads_match_serial_exactly(kind):
+    """Torch workloads give bit-for-bit the serial results, with threads and with processes."""
     # one intra-op thread per call makes every result bit-for-bit reproducible: tolerance 0
     matmuls = [(seed, 2, 64) for seed in range(6)]
     tiny = [(seed, 50) for seed in range(6)]
@@ -45,18 +48,21 @@ def test_torch_workloads_match_serial_exactly(kind):
 
 
 def test_many_items_keep_their_order_in_processes():
+    """Hundreds of items in processes all come back, in input order."""
     items = [(seed, 10) for seed in range(500)]
     assert parallel_map(python_work, items, 2, "process") == [python_work(i) for i in items], (
         "500 items in processes: results differ or out of order")
 
 
 def test_order_kept_when_later_items_finish_first_in_processes():
+    """Results stay in input order in processes even when later items finish first."""
     items = [(seed, 0.3 - 0.1 * seed) for seed in range(3)]
     assert parallel_map(io_work, items, 3, "process") == [0, 1, 2], "results out of order"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_error_in_a_later_item_propagates_with_its_type(kind):
+    """An error raised by a later item reaches the caller with its own type, for every kind."""
     with pytest.raises(ValueError, match="invalid literal"):
         parallel_map(int, ["1", "2", "3", "4", "5", "x"], 2, kind)
 
@@ -64,6 +70,7 @@ def test_an_error_in_a_later_item_propagates_with_its_type(kind):
 @pytest.mark.parametrize("workers", [0, -1, 1.5, "2", None])
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_workers_raise_before_any_work(kind, workers):
+    """Invalid `workers` values are rejected before any item runs, for every kind."""
     calls = []
     with pytest.raises(ValueError):
         parallel_map(calls.append, [1, 2], workers, kind)
@@ -72,6 +79,7 @@ def test_bad_workers_raise_before_any_work(kind, workers):
 
 @pytest.mark.parametrize("kind", ["", "threads", "Process", None, "mpi"])
 def test_bad_kind_raises_before_any_work(kind):
+    """An unknown or misspelled `kind` is rejected before any item runs."""
     calls = []
     with pytest.raises(ValueError):
         parallel_map(calls.append, [1, 2], 2, kind)
@@ -79,12 +87,14 @@ def test_bad_kind_raises_before_any_work(kind):
 
 
 def test_serial_runs_in_this_thread():
+    """kind="serial" runs every item in the calling thread."""
     here = (os.getpid(), threading.current_thread().name)
     assert {tuple(r[1:]) for r in parallel_map(where_am_i, range(4), 2, "serial")} == {here}, (
         'kind="serial" must run every item in the calling thread')
 
 
 def test_threads_run_in_this_process_off_the_calling_thread():
+    """kind="thread" runs items in this process, off the calling thread, on at most `workers` threads."""
     results = parallel_map(where_am_i, range(6), 2, "thread")
     assert [r[0] for r in results] == list(range(6)), "results out of order"
     assert {r[1] for r in results} == {os.getpid()}, 'kind="thread" ran items in another process'
@@ -96,6 +106,7 @@ def test_threads_run_in_this_process_off_the_calling_thread():
 @pytest.mark.points(2)
 @pytest.mark.parametrize("workers", [3, 4])
 def test_threads_run_workers_items_at_once_and_no_more(workers):
+    """kind="thread" runs exactly `workers` items at the same time, never more (3 and 4 workers)."""
     barrier = threading.Barrier(workers, timeout=WAIT_S)  # opens only when `workers` items wait
     lock = threading.Lock()
     running, peak = [0], [0]
@@ -119,6 +130,7 @@ def test_threads_run_workers_items_at_once_and_no_more(workers):
 
 
 def test_processes_run_in_other_processes():
+    """kind="process" runs items in other processes, at most `workers` of them, results in order."""
     results = parallel_map(where_am_i, range(9), 3, "process")
     assert [r[0] for r in results] == list(range(9)), "results out of order"
     pids = {r[1] for r in results}
@@ -128,6 +140,7 @@ def test_processes_run_in_other_processes():
 
 @pytest.mark.points(2)
 def test_three_processes_run_three_items_at_once():
+    """kind="process" with 3 workers really runs 3 items at the same time."""
     # A Barrier(3) served by a manager process: wait() returns only when three workers wait on it
     # at the same time. operator.methodcaller and the proxy are picklable.
     with multiprocessing.Manager() as manager:

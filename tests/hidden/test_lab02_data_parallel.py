@@ -26,6 +26,7 @@ TOL64 = dict(rtol=1e-12, atol=1e-12)
 @pytest.mark.exercise("scatter")
 @pytest.mark.points(2)
 def test_scatter_sizes_match_torch_chunk_everywhere():
+    """Chunk sizes follow torch.chunk for many batch sizes and replica counts; chunks rejoin losslessly."""
     for batch_size in range(1, 14):
         batch = torch.randn(batch_size, 3, 2)
         for num_replicas in range(1, 7):
@@ -37,6 +38,7 @@ def test_scatter_sizes_match_torch_chunk_everywhere():
 
 @pytest.mark.exercise("scatter")
 def test_scatter_is_differentiable():
+    """Gradients flow back through scatter's chunks into the original batch."""
     batch = torch.randn(5, 4, requires_grad=True)
     chunks = scatter(batch, 2)
     (chunks[0].sum() * 2 + chunks[1].sum() * 3).backward()
@@ -61,6 +63,7 @@ class Tower(nn.Module):
 @pytest.mark.exercise("replicate")
 @pytest.mark.points(2)
 def test_replicas_1_to_n_hold_their_own_copies_connected_to_the_master():
+    """Replicas 1..N-1 hold their own weight memory, stay connected to the master; master untouched."""
     torch.manual_seed(1)
     master = Tower()
     names = [n for n, _ in master.named_parameters()]
@@ -86,6 +89,7 @@ def test_replicas_1_to_n_hold_their_own_copies_connected_to_the_master():
 @pytest.mark.exercise("replicate")
 @pytest.mark.points(2)
 def test_master_gradient_is_the_sum_over_replicas_of_a_nested_module():
+    """Master gradients are the sum over replicas, for a nested module with a buffer (float64)."""
     torch.manual_seed(2)
     master, reference = Tower().double(), Tower().double()
     reference.load_state_dict(master.state_dict())
@@ -103,6 +107,7 @@ def test_master_gradient_is_the_sum_over_replicas_of_a_nested_module():
 
 @pytest.mark.exercise("replicate")
 def test_replicate_under_no_grad_and_repeated():
+    """replicate works under torch.no_grad(), and a later call sees the master's updated weights."""
     master = make_mlp(4, 1, 2)
     x = torch.randn(2, 4)
     with torch.no_grad():
@@ -121,6 +126,7 @@ def test_replicate_under_no_grad_and_repeated():
 @pytest.mark.exercise("parallel_apply")
 @pytest.mark.points(2)
 def test_replicas_run_concurrently_in_their_own_threads():
+    """parallel_apply runs every replica in its own thread, all at the same time; outputs in order."""
     num_replicas = 4
     barrier, seen = threading.Barrier(num_replicas, timeout=10), []
     replicas = [Rendezvous(barrier, seen) for _ in range(num_replicas)]
@@ -138,6 +144,7 @@ def test_replicas_run_concurrently_in_their_own_threads():
 
 @pytest.mark.exercise("parallel_apply")
 def test_grad_mode_reaches_the_threads():
+    """The caller's grad mode (no_grad or enabled) also holds inside the worker threads."""
     replicas, inputs = [nn.Linear(3, 1), nn.Linear(3, 1)], [torch.randn(2, 3), torch.randn(2, 3)]
     with torch.no_grad():
         assert not any(o.requires_grad for o in parallel_apply(replicas, inputs)), (
@@ -149,6 +156,7 @@ def test_grad_mode_reaches_the_threads():
 @pytest.mark.exercise("parallel_apply")
 @pytest.mark.points(2)
 def test_first_error_is_reraised_after_every_thread_finished():
+    """When replicas fail, the first replica's error is re-raised, only after every thread finished."""
     finished = []
     first_error = KeyError("replica 1")
 
@@ -178,6 +186,7 @@ def test_first_error_is_reraised_after_every_thread_finished():
 @pytest.mark.exercise("gather")
 @pytest.mark.points(2)
 def test_gather_nested_outputs_with_gradients():
+    """gather handles nested outputs (dicts, tuples) and passes gradients back to every part."""
     parts = [{"logits": torch.randn(rows, 3, requires_grad=True),
               "aux": (torch.randn(rows, requires_grad=True),)} for rows in (2, 1)]
     out = gather(parts)
@@ -191,6 +200,7 @@ def test_gather_nested_outputs_with_gradients():
 
 @pytest.mark.exercise("gather")
 def test_gather_lands_on_replica_0s_device():
+    """The gathered output lands on replica 0's device."""
     out = gather([torch.zeros(2, 3, device="meta"), torch.ones(1, 3)])
     assert out.device.type == "meta" and out.shape == (3, 3)
 
@@ -201,6 +211,7 @@ def test_gather_lands_on_replica_0s_device():
 @pytest.mark.points(3)
 @pytest.mark.parametrize("num_replicas,batch_size", [(2, 5), (3, 4), (3, 10), (4, 1)])
 def test_training_steps_equal_the_plain_module_in_float64(num_replicas, batch_size):
+    """SGD steps with ThreadDataParallel equal the plain module (float64), including uneven splits."""
     torch.manual_seed(3)
     plain, master = make_mlp(6, 2, 4).double(), make_mlp(6, 2, 4).double()
     tdp = ThreadDataParallel(master, num_replicas)
@@ -227,6 +238,7 @@ def test_training_steps_equal_the_plain_module_in_float64(num_replicas, batch_si
 @pytest.mark.exercise("ThreadDataParallel")
 @pytest.mark.points(2)
 def test_parameter_traffic_through_replica_0_is_2C_times_N_minus_1():
+    """last_step.moved reports the right parameter broadcast and gradient reduce bytes, 1-5 replicas."""
     master = make_mlp(16, 2, 4)
     param_bytes = nbytes(master.parameters())
     for num_replicas in (1, 2, 3, 5):

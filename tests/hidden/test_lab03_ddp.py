@@ -45,6 +45,7 @@ def reference_plan(params, cap):
 
 @pytest.mark.exercise("plan_buckets")
 def test_plan_buckets_cap_is_inclusive_and_big_params_stand_alone():
+    """A bucket may fill the cap exactly; a parameter larger than the cap gets a bucket of its own."""
     from labs.lab03_ddp import plan_buckets
 
     params = [torch.zeros(50), torch.zeros(50), torch.zeros(1000), torch.zeros(25), torch.zeros(25)]
@@ -55,6 +56,7 @@ def test_plan_buckets_cap_is_inclusive_and_big_params_stand_alone():
 
 @pytest.mark.exercise("plan_buckets")
 def test_plan_buckets_splits_on_dtype_change():
+    """A new bucket starts whenever the dtype changes, even with a huge cap."""
     from labs.lab03_ddp import plan_buckets
 
     params = [torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(4),
@@ -65,6 +67,7 @@ def test_plan_buckets_splits_on_dtype_change():
 @pytest.mark.exercise("plan_buckets")
 @pytest.mark.points(2)
 def test_plan_buckets_random_layouts():
+    """Follows plan_buckets' docstring rules on many random layouts, mixed dtypes, caps from 0 up."""
     from labs.lab03_ddp import plan_buckets
 
     rng = random.Random(3)
@@ -99,6 +102,7 @@ def _case(hidden_run, name):
 @pytest.mark.exercise("bucketed_ddp")
 @pytest.mark.points(2)
 def test_three_ranks_match_one_process(hidden_run):
+    """3 ranks start from identical weights and train like one process (gradients, parameters)."""
     for rank, res in _case(hidden_run, "world").items():
         assert res["max_init_diff_vs_rank0"] == 0.0
         for step, (diff, scale) in enumerate(zip(res["grad_diffs"], res["grad_scales"])):
@@ -109,6 +113,7 @@ def test_three_ranks_match_one_process(hidden_run):
 @pytest.mark.exercise("bucketed_ddp")
 @pytest.mark.points(2)
 def test_every_bucket_launched_in_order_during_backward(hidden_run):
+    """Each bucket is launched once, in bucket order, before backward returns, with no waiting inside it."""
     for rank, res in _case(hidden_run, "world").items():
         expected = res["bucket_numels"]
         assert len(expected) < res["num_params"]
@@ -126,6 +131,7 @@ def test_every_bucket_launched_in_order_during_backward(hidden_run):
 @pytest.mark.exercise("bucketed_ddp")
 @pytest.mark.points(2)
 def test_each_bucket_launched_as_soon_as_it_is_complete(hidden_run):
+    """Each bucket is launched as soon as its last gradient arrives, on the world and on a subgroup."""
     for case in ("world", "subgroup"):
         for rank, res in _case(hidden_run, case).items():
             if not res.get("member", True):
@@ -142,6 +148,7 @@ def test_each_bucket_launched_as_soon_as_it_is_complete(hidden_run):
 @pytest.mark.exercise("bucketed_ddp")
 @pytest.mark.points(2)
 def test_subgroup_without_rank0(hidden_run):
+    """Works on a process group that leaves out global rank 0: start weights and averaging per group."""
     results = _case(hidden_run, "subgroup")
     assert results[0]["member"] is False
     for rank in (1, 2):
@@ -155,6 +162,7 @@ def test_subgroup_without_rank0(hidden_run):
 
 @pytest.mark.exercise("bucketed_ddp")
 def test_no_sync_accumulation_equals_big_batch(hidden_run):
+    """Accumulating under no_sync equals one big batch, and no_sync backward passes communicate nothing."""
     for rank, res in _case(hidden_run, "no_sync").items():
         assert res["grad_diff"] <= ATOL + RTOL * res["grad_scale"], f"rank {rank}: {res['grad_diff']:g}"
         assert res["collectives"] == res["num_buckets"], "no_sync backward passes must not all-reduce"
@@ -162,6 +170,7 @@ def test_no_sync_accumulation_equals_big_batch(hidden_run):
 
 @pytest.mark.exercise("bucketed_ddp")
 def test_extreme_bucket_caps(hidden_run):
+    """Trains correctly with a 0 MB and a huge bucket cap, with the number of buckets each cap implies."""
     for rank, res in _case(hidden_run, "caps").items():
         for cap, row in res.items():
             assert row["param_diff"] <= ATOL, f"rank {rank}, cap {cap}: {row['param_diff']:g}"
@@ -172,6 +181,7 @@ def test_extreme_bucket_caps(hidden_run):
 @pytest.mark.exercise("ddp_classifier")
 @pytest.mark.points(2)
 def test_classifier_on_three_ranks(hidden_run):
+    """fit on 3 ranks: good test accuracy, identical weights, disjoint shards reshuffled every epoch."""
     from labs.lab03_classifier import TRAIN_SIZE
 
     results = _case(hidden_run, "classifier")
@@ -189,6 +199,7 @@ def test_classifier_on_three_ranks(hidden_run):
 
 @pytest.mark.exercise("ddp_classifier")
 def test_classifier_batches_and_logged_losses_on_three_ranks(hidden_run):
+    """fit on 3 ranks passes the public tests' checks of its batches and logged losses."""
     for rank, res in _case(hidden_run, "classifier").items():
         for problem in classifier_checks(res):
             raise AssertionError(f"rank {rank}: {problem}")

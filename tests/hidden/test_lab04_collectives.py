@@ -122,6 +122,7 @@ def check_traffic(reps, ring_size):
 @pytest.mark.points(2)
 @pytest.mark.parametrize("name", list(EXACT_CASES))
 def test_exactly_equal_to_all_reduce_on_4_ranks(results, name):
+    """Exactly dist.all_reduce's result, in place, 4 ranks, several dtypes, tiny/uneven/empty shapes."""
     reps = reports(results, name)
     for rank, rep in enumerate(reps):
         assert rep["equal"], f"rank {rank}: differs from dist.all_reduce ({name})"
@@ -132,6 +133,7 @@ def test_exactly_equal_to_all_reduce_on_4_ranks(results, name):
 @pytest.mark.points(2)
 @pytest.mark.parametrize("name", list(RANDOM_CASES))
 def test_random_floats_close_and_identical_on_every_rank(results, name):
+    """Random floats: close to dist.all_reduce and bitwise-identical on every rank, 4 ranks."""
     reps = reports(results, name)
     for rank, rep in enumerate(reps):
         assert rep["close"], f"rank {rank}: random floats differ from dist.all_reduce beyond tolerance"
@@ -139,6 +141,7 @@ def test_random_floats_close_and_identical_on_every_rank(results, name):
 
 
 def test_every_case_identical_on_every_rank(results):
+    """Bitwise-identical results on every rank, 4 ranks, every exact case and repeated calls."""
     for name in list(EXACT_CASES) + ["repeated"]:
         reps = reports(results, name)
         assert all(rep["bits"] == reps[0]["bits"] for rep in reps), f"ranks hold other bits ({name})"
@@ -147,10 +150,12 @@ def test_every_case_identical_on_every_rank(results):
 @pytest.mark.points(2)
 @pytest.mark.parametrize("name", list(EXACT_CASES) + list(RANDOM_CASES))
 def test_traffic_only_between_ring_neighbours(results, name):
+    """Each rank talks only to its ring neighbours, and the bytes sent are a ring all-reduce's, 4 ranks."""
     check_traffic(reports(results, name), NPROC)
 
 
 def test_uneven_traffic_per_rank_within_one_element_per_message(results):
+    """Uneven lengths: bytes each rank sends follow the docstring's schedule up to chunk rounding."""
     for name in ("int32 uneven", "bfloat16 uneven", "float32 three elements"):
         reps = reports(results, name)
         rep0 = reps[0]
@@ -164,6 +169,7 @@ def test_uneven_traffic_per_rank_within_one_element_per_message(results):
 @pytest.mark.points(2)
 @pytest.mark.parametrize("group_name", list(GROUPS))
 def test_subgroups_with_other_global_ranks(results, group_name):
+    """Correct on sub-groups of 1, 2 and 3 ranks whose group ranks differ from the global ranks."""
     members = GROUPS[group_name]
     reps = reports(results, f"group {group_name}", ranks=members)
     for rep in reps:
@@ -175,6 +181,7 @@ def test_subgroups_with_other_global_ranks(results, group_name):
 
 
 def test_repeated_calls_keep_working(results):
+    """Three calls in a row stay correct, and every call sends the same number of bytes."""
     for rank, rep in enumerate(reports(results, "repeated")):
         assert rep["equal"], f"rank {rank}: three calls in a row differ from three all_reduces"
         assert len(set(rep["sent_each_call"])) == 1, "every call sends the same bytes"

@@ -50,6 +50,7 @@ def expected_1f1b(num_stages: int, num_microbatches: int) -> list[list[tuple[str
 @pytest.mark.exercise("one_f_one_b_schedule")
 @pytest.mark.points(2)
 def test_1f1b_exact_for_all_sizes():
+    """Exactly the docstring's 1F1B order for every p <= 4 stages and m <= 8 micro-batches."""
     for p in range(1, 5):
         for m in range(1, 9):
             assert sched.one_f_one_b_schedule(p, m) == expected_1f1b(p, m), (
@@ -58,6 +59,7 @@ def test_1f1b_exact_for_all_sizes():
 
 @pytest.mark.exercise("one_f_one_b_schedule")
 def test_1f1b_fewer_microbatches_than_stages():
+    """Correct 1F1B order when there are fewer micro-batches than stages (p=4, m=2)."""
     F, B = "F", "B"
     assert sched.one_f_one_b_schedule(4, 2) == [
         [(F, 0), (F, 1), (B, 0), (B, 1)], [(F, 0), (F, 1), (B, 0), (B, 1)],
@@ -91,6 +93,7 @@ def _stage(stage: int, num_stages: int, seed: int = 0) -> lab.StageExecutor:
 
 @pytest.mark.exercise("StageExecutor.backward_step")
 def test_first_stage_returns_none_and_accumulates():
+    """First stage: backward_step returns None, empties the stash, accumulates grads out of order."""
     executor = _stage(0, 2)
     xs, grads = torch.randn(2, 2, 5), torch.randn(2, 2, 5)
     for i in range(2):
@@ -108,6 +111,7 @@ def test_first_stage_returns_none_and_accumulates():
 
 @pytest.mark.exercise("StageExecutor.backward_step")
 def test_last_stage_seeds_with_scaled_loss():
+    """Last stage: backward_step(i, None) gives the right input and weight grads with loss_scale set."""
     executor = _stage(1, 2, seed=1)
     executor.loss_scale = 0.25
     x, target = torch.randn(2, 5), torch.tensor([1, 3])
@@ -132,6 +136,7 @@ def results():
 @pytest.mark.points(3)
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_three_stage_training_equals_single_process(results, case):
+    """3 stages train like one process (grads, params, losses), empty the stash, hold the expected peak."""
     schedule_name, config = CONFIGS[case]
     reference = lab.train_reference(config, STEPS)
     for rank in range(NPROC):

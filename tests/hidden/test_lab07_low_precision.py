@@ -36,24 +36,28 @@ def assert_same(ours, ref, exact_params=True):
 
 @pytest.mark.points(2)
 def test_nan_and_inf_are_both_skipped_and_back_off():
+    """Steps with nan or inf gradients are both skipped and back the scale off, as GradScaler does."""
     ours, ref = both(20, init_scale=2.0 ** 8, growth_interval=2, overflow_steps=(3, 11), nan_steps=(4, 7, 15))
     assert sum(not s for s in ref["stepped"]) == 5
     assert_same(ours, ref)
 
 
 def test_overflow_on_the_step_growth_was_due_and_runs_of_overflows():
+    """Matches GradScaler when an overflow hits the step growth was due, and on runs of overflows."""
     # growth_interval 4: steps 0-2 clean, 3 overflows (no growth, count restarts), 4-7 clean -> grow.
     ours, ref = both(16, init_scale=2.0 ** 6, growth_interval=4, overflow_steps=(3, 9, 10, 11))
     assert_same(ours, ref)
 
 
 def test_growth_interval_one_grows_every_clean_step():
+    """With growth_interval=1 the scale grows on every clean step, as GradScaler's does."""
     ours, ref = both(8, init_scale=1.0, growth_interval=1, overflow_steps=(5,))
     assert ref["scales"][:5] == [1.0, 2.0, 4.0, 8.0, 16.0]
     assert_same(ours, ref)
 
 
 def test_scale_never_grows_past_float32():
+    """The scale never grows past float32's range, as GradScaler's does."""
     ours, ref = both(5, init_scale=2.0 ** 126, growth_factor=4.0, growth_interval=1)
     assert ref["scales"] == [2.0 ** 126] * 6
     assert_same(ours, ref)
@@ -61,7 +65,9 @@ def test_scale_never_grows_past_float32():
 
 @pytest.mark.points(2)
 def test_factors_that_are_not_powers_of_two():
-    """The scale lives in float32 (exact equality), the inverse is float32(1/S): parameters match."""
+    """Scales and parameters match GradScaler with growth/backoff factors that are not powers of two.
+
+    The scale lives in float32 (exact equality), the inverse is float32(1/S): parameters match."""
     ours, ref = both(18, init_scale=1000.0, growth_factor=3.0, backoff_factor=0.3, growth_interval=2,
                      overflow_steps=(2, 7, 8, 14))
     assert any(s != float(int(s)) for s in ref["scales"])  # e.g. 0.3 * 9000 in float32
@@ -87,6 +93,7 @@ def _adam_run(scaler, steps, overflow_steps):
 
 
 def test_adam_state_does_not_advance_on_skipped_steps():
+    """Skipped steps leave Adam's state (its step count too) alone; scales and weights match GradScaler."""
     ours = _adam_run(LossScaler(init_scale=2.0 ** 10, growth_interval=3), 12, {0, 4, 5})
     ref = _adam_run(torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3), 12, {0, 4, 5})
     assert ref[-1][1] == 9.0
@@ -128,6 +135,7 @@ def _two_optimizer_run(scaler, steps, overflow_a):
 
 @pytest.mark.points(2)
 def test_two_optimizers_skip_independently_and_update_backs_off_once():
+    """Two optimizers skip independently, update backs off once per step; grad-less params are fine."""
     settings = dict(init_scale=2.0 ** 4, growth_interval=2)
     ours, ran_ours = _two_optimizer_run(LossScaler(**settings), 10, {3, 7})
     ref, ran_ref = _two_optimizer_run(torch.amp.GradScaler("cpu", **settings), 10, {3, 7})
@@ -139,6 +147,7 @@ def test_two_optimizers_skip_independently_and_update_backs_off_once():
 
 
 def test_step_reports_skips_and_update_needs_a_step():
+    """step() reports whether it stepped, a skip changes nothing, update() before any step raises."""
     scaler = LossScaler(init_scale=4.0)
     with pytest.raises(RuntimeError):
         scaler.update()
@@ -174,7 +183,9 @@ def _fp16_training(scaler, steps):
 
 @pytest.mark.points(2)
 def test_fp16_autocast_training_with_real_overflows_matches_grad_scaler():
-    """init_scale 2^24 makes fp16 gradients overflow for real until the scale has backed off."""
+    """fp16 autocast training with real overflows: scales, losses and weights equal GradScaler's.
+
+    init_scale 2^24 makes fp16 gradients overflow for real until the scale has backed off."""
     ours, p_ours = _fp16_training(LossScaler(init_scale=2.0 ** 24, growth_interval=4), 24)
     ref, p_ref = _fp16_training(torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=4), 24)
     assert min(s for s, _ in ref) < 2.0 ** 24  # there were overflows

@@ -224,12 +224,14 @@ HINTS = {
 @pytest.mark.points(2)
 @pytest.mark.parametrize("name", [n for n in CASES if n != "closure"])
 def test_parameters_match_one_process(ranks, name):
+    """Trains like the plain torch optimizer in one process, identical on every rank, 3 and 4 ranks."""
     nproc, reports = ranks
     check_numbers(case_reports(reports, name, nproc), f"{name} ({nproc} ranks)",
                   HINTS.get(name, BROADCAST_HINT))
 
 
 def test_step_with_closure(ranks):
+    """step(closure) calls the closure exactly once, returns its loss, and trains like torch's."""
     nproc, reports = ranks
     for rank, r in enumerate(case_reports(reports, "closure", nproc)):
         assert all(r["returned_ok"]), (f"rank {rank}: step(closure) must call the closure exactly "
@@ -242,12 +244,15 @@ def test_step_with_closure(ranks):
 @pytest.mark.parametrize("name,moments", [("adamw many parameters", 2), ("lr scheduler", 2),
                                           ("group added later", 1)])
 def test_state_is_sharded(ranks, name, moments):
+    """Optimizer state is sharded: about 1/N per rank, each element's state held exactly once."""
     nproc, reports = ranks
     check_state_is_sharded(case_reports(reports, name, nproc), f"{name} ({nproc} ranks)", moments)
 
 
 def test_owners_follow_the_documented_rule(ranks):
-    """Adam state per rank = 8 bytes x the elements the rule gives that rank (+ small counters)."""
+    """Each rank holds optimizer state for exactly the parameters the documented owner rule gives it.
+
+    Adam state per rank = 8 bytes x the elements the rule gives that rank (+ small counters)."""
     nproc, reports = ranks
     reps = case_reports(reports, "adamw many parameters", nproc)
     loads = expected_owners([reps[0]["numels"]], nproc)
@@ -260,6 +265,7 @@ def test_owners_follow_the_documented_rule(ranks):
 
 
 def test_a_rank_may_own_nothing(ranks):
+    """Fewer parameters than ranks works: a rank may own nothing and then holds no state."""
     nproc, reports = ranks
     reps = case_reports(reports, "fewer parameters than ranks", nproc)
     empty = [rank for rank, r in enumerate(reps) if r["optimizer_bytes"] == 0]
@@ -268,6 +274,7 @@ def test_a_rank_may_own_nothing(ranks):
 
 
 def test_zero_grad_with_frozen_and_unused_parameters(ranks):
+    """zero_grad() behaves as torch's, both set_to_none settings, with frozen and unused parameters."""
     nproc, reports = ranks
     for rank, r in enumerate(case_reports(reports, "frozen and unused", nproc)):
         z = r["grads_after_zero_grad"]
@@ -278,6 +285,7 @@ def test_zero_grad_with_frozen_and_unused_parameters(ranks):
 @pytest.mark.exercise("ShardedOptimizer.reduce_gradients")
 @pytest.mark.points(2)
 def test_stretch_on_uneven_sizes(ranks):
+    """reduce_gradients, uneven sizes: each gradient kept on exactly its owner rank, correctly averaged."""
     nproc, reports = ranks
     reps = case_reports(reports, "stretch, uneven sizes", nproc)
     check_numbers(reps, f"reduce_gradients + step ({nproc} ranks)")

@@ -79,6 +79,7 @@ def members(name: str) -> list[int]:
 @pytest.mark.points(2)
 @pytest.mark.parametrize("name", list(CASES))
 def test_find_divergence_hidden_cases(ranks, name):
+    """find_divergence gives the right answer, steps and checks, cheaply, in tricky cases on 3 ranks."""
     reps = divergence_reports(ranks)
     steps, every, planted, make, _ = CASES[name]
     want = expected(steps, every, planted, make, world_size=len(members(name)))
@@ -100,6 +101,7 @@ def test_find_divergence_hidden_cases(ranks, name):
 @pytest.mark.points(2)
 @pytest.mark.parametrize("bug", sorted(HINTS))
 def test_diagnose_on_three_ranks(ranks, bug):
+    """diagnose names the planted bug of a 3-rank job, for every bug in BUGS."""
     from labs.lab10_diagnose import diagnose, outputs_from_dict
 
     jobs = ranks[0]["job_list"]
@@ -110,6 +112,7 @@ def test_diagnose_on_three_ranks(ranks, bug):
 
 @pytest.mark.exercise("diagnose")
 def test_diagnose_on_random_plants(ranks):
+    """diagnose names the bug of 3-rank jobs with randomly planted bugs."""
     from labs.lab10_diagnose import diagnose, outputs_from_dict
 
     jobs, outputs = ranks[0]["job_list"], ranks[0]["jobs"]
