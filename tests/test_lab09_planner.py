@@ -1,0 +1,146 @@
+"""Tests of labs/lab09_planner.py's given parts (pure): the model's parameter and FLOP counts
+against Narayanan et al. 2021's formulas, the activation formula against Korthikanti et al.
+2022's table 2, the alpha-beta collective cost, the links, the published data, the ranking and
+the explorer's logic (the last two call the exercise: they need it solved).
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers.exercise import stub_message
+from labs import lab09_at_scale as scale
+from labs import lab09_planner as pl
+
+GPT = pl.ModelSpec("gpt", layers=24, hidden=2304, heads=24, seq=2048, vocab=51200, global_batch=512)
+
+
+def needs_planner():
+    if stub_message(pl.plan_memory) or stub_message(pl.plan_step_time):
+        pytest.skip("the planner is still an exercise here")
+
+
+def test_parameters_and_flops_follow_narayanan():
+    """params = 12 L h^2 (1 + 13/(12h) + (V+s)/(12 L h)); FLOPs = 96 B s L h^2 (...) (eq. 2, 3)."""
+    L, h, V, s = GPT.layers, GPT.hidden, GPT.vocab, GPT.seq
+    assert GPT.params == pytest.approx(12 * L * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * L * h)))
+    assert GPT.params / 1e9 == pytest.approx(1.7, abs=0.05)          # table 1's first row
+    per_layer = GPT.layer_forward_flops(1)
+    assert per_layer == 24 * s * h * h * (1 + s / (6 * h))
+    total = GPT.global_batch * (4 * GPT.layers * per_layer + 3 * GPT.logits_forward_flops(1))
+    assert pl.narayanan_flops(GPT) == pytest.approx(total)
+    assert pl.narayanan_flops(GPT, recompute=False) == pytest.approx(
+        GPT.global_batch * 3 * (GPT.layers * per_layer + GPT.logits_forward_flops(1)))
+    assert GPT.layer_params(4) == pytest.approx((12 * h * h + 7 * h) / 4 + 6 * h)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_activation_formula_is_korthikanti_table_2(t):
+    """16-bit activations with dropout: the five rows of Korthikanti et al.'s table 2."""
+    s, b, h, a = 2048, 4, 4096, 32
+    f = lambda **kw: pl.activation_bytes_per_layer(s, b, h, a, tp=t, **kw)   # noqa: E731
+    assert f() == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert f(sequence_parallel=True) == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+    assert f(recompute="selective") == pytest.approx(s * b * h * (10 + 24 / t))
+    assert f(recompute="selective", sequence_parallel=True) == pytest.approx(s * b * h * 34 / t)
+    assert f(recompute="full") == pytest.approx(2 * s * b * h)
+    if t == 1:
+        assert f() == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+
+
+def test_activation_formula_in_fp32_without_dropout():
+    """fp32, no dropout (what the lab measures): 16 elements per s b h, plus a s^2 b once."""
+    s, b, h, a = 16, 2, 32, 4
+    assert pl.activation_bytes_per_layer(s, b, h, a, element_bytes=4, dropout=False) == \
+        s * b * h * 64 + a * s * s * b * 4
+    assert pl.activation_bytes_per_layer(s, b, h, a, tp=2, element_bytes=4, dropout=False,
+                                         recompute="selective", sequence_parallel=True) == s * b * h * 32
+    with pytest.raises(ValueError):
+        pl.activation_bytes_per_layer(s, b, h, a, recompute="some")
+
+
+def test_collective_cost_is_the_ring_alpha_beta_model():
+    """steps x latency + RING_SHARE x S / bandwidth; nothing on one GPU."""
+    assert pl.collective_seconds("all_reduce", 1e6, 4, 1e-5, 1e9) == pytest.approx(6e-5 + 1.5e-3)
+    assert pl.collective_seconds("all_gather", 1e6, 4, 1e-5, 1e9) == pytest.approx(3e-5 + 0.75e-3)
+    assert pl.collective_seconds("reduce_scatter", 1e6, 2, 0.0, 1e9) == pytest.approx(0.5e-3)
+    assert pl.collective_seconds("all_reduce", 1e6, 1, 1.0, 1.0) == 0.0
+    assert pl.p2p_seconds(1e6, 1e-5, 1e9) == pytest.approx(1.01e-3)
+
+
+def test_links_and_tp_collectives():
+    """tp inside a node unless it is larger; sp: all-gathers and reduce-scatters, one more gather back."""
+    cluster = scale.H100_CLUSTER
+    inside = pl.ParallelConfig(dp=16, tp=8, pp=8)
+    assert pl.axis_link(cluster, inside, "tp") == (cluster.intra_latency_s, cluster.intra_bytes_per_s)
+    assert pl.axis_link(cluster, inside, "dp")[1] == cluster.inter_bytes_per_s
+    assert pl.axis_link(cluster, inside, "pp")[1] == cluster.inter_bytes_per_s
+    assert pl.axis_link(cluster, pl.ParallelConfig(dp=2, tp=2, pp=2), "pp")[1] == cluster.intra_bytes_per_s
+    assert pl.axis_link(scale.with_tp_across_nodes(inside, cluster), inside, "tp")[1] == cluster.inter_bytes_per_s
+    plain = pl.tp_collectives_per_layer(pl.ParallelConfig(tp=2))
+    assert plain == {"forward": ["all_reduce"] * 2, "backward": ["all_reduce"] * 2}
+    sp = pl.tp_collectives_per_layer(pl.ParallelConfig(tp=2, sequence_parallel=True))
+    assert sorted(sp["forward"]) == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+    assert sp["backward"].count("all_gather") == 4 and sp["backward"].count("reduce_scatter") == 2
+    full = pl.tp_collectives_per_layer(pl.ParallelConfig(tp=2, recompute="full"))
+    assert len(full["backward"]) == 4
+
+
+def test_check_config_names_what_does_not_split():
+    """Heads over tp, layers over pp, the batch over dp x m, unknown names: a ValueError each."""
+    for bad, words in ((pl.ParallelConfig(tp=5), "heads"), (pl.ParallelConfig(pp=5), "layers"),
+                       (pl.ParallelConfig(dp=3), "batch"), (pl.ParallelConfig(schedule="x"), "schedule"),
+                       (pl.ParallelConfig(recompute="x"), "recompute"), (pl.ParallelConfig(zero_stage=4), "zero")):
+        with pytest.raises(ValueError, match=words):
+            pl.check_config(GPT, bad)
+    pl.check_config(GPT, pl.ParallelConfig(dp=8, tp=4, pp=4, micro_batches=8, schedule="interleaved 1F1B",
+                                           virtual_stages=2, sequence_parallel=True))
+
+
+def test_published_table_is_as_printed():
+    """Narayanan et al. 2021 table 1: 10 rows, t p d multiply to the GPUs, % of 312 TFLOP/s."""
+    assert len(scale.NARAYANAN_2021_TABLE1) == 10
+    for billions, heads, hidden, layers, t, p, gpus, batch, tflops, pct in scale.NARAYANAN_2021_TABLE1:
+        model = pl.ModelSpec("", layers, hidden, heads, 2048, 51200, batch)
+        assert model.params / 1e9 == pytest.approx(billions, rel=0.04), billions
+        assert gpus % (t * p) == 0 and abs(100 * tflops / 312 - pct) < 1, billions
+
+
+def test_published_comparison_and_ranking():
+    """Predicted TFLOP/s within 2x of the published; the ranking fits in 80 GB, fastest first."""
+    needs_planner()
+    rows = scale.published_comparison()
+    assert all(0.5 < r["predicted / published"] < 2 for r in rows), rows
+    ranked = scale.rank_configs(scale.GPT_70B, scale.H100_CLUSTER, 256, top=4)
+    assert ranked and all(r["GB/GPU"] <= 80 for r in ranked)
+    assert [r["step s"] for r in ranked] == sorted(r["step s"] for r in ranked)
+    assert all(r["tp"] <= 8 and r["dp"] * r["tp"] * r["pp"] == 256 for r in ranked)
+
+
+def test_explorer_logic():
+    """explore(): errors for configurations that do not split, a full breakdown otherwise."""
+    needs_planner()
+    assert "multiple" in scale.explore("7B", 64, 3, 1, 1, "selective", "1F1B")["error"]
+    ok = scale.explore("70B", 512, 8, 4, 1, "selective", "interleaved 1F1B")
+    assert ok["error"] is None and ok["config"]["virtual_stages"] == 2 and ok["config"]["dp"] == 16
+    assert set(ok["time"]) == {"compute", "tensor parallel", "pipeline messages", "bubble", "data parallel"}
+    assert ok["summary"]["GB per GPU"] == pytest.approx(sum(ok["memory"].values()))
+    assert ok["summary"]["step s"] == pytest.approx(sum(ok["time"].values()))
+    assert 0 < ok["summary"]["MFU"] < 1
+    no_pp = scale.explore("7B", 64, 8, 1, 1, "full", "interleaved 1F1B")
+    assert no_pp["config"]["schedule"] == "1F1B" and no_pp["time"]["bubble"] == 0
+    rows = scale.axis_rows(scale.GPT_70B, scale.H100_CLUSTER, pl.ParallelConfig(dp=16, tp=8, pp=4, micro_batches=64))
+    assert [r["link"] for r in rows] == ["inside a node", "between nodes", "between nodes"]
+
+
+def test_traffic_agrees_with_notebook_05():
+    """Tensor and pipeline bytes per step equal notebook 05's step_traffic for its Llama 2 70B layout."""
+    needs_planner()
+    from labs.lab05_tp_comm_volume import LLAMA2_70B, LLAMA2_70B_LAYOUT, step_traffic
+
+    lay = LLAMA2_70B_LAYOUT
+    plan = pl.plan_step_time(scale.GPT_70B, scale.H100_CLUSTER, pl.ParallelConfig(
+        dp=lay["dp"], tp=lay["tp"], pp=lay["pp"], micro_batches=lay["micro_batches"]))
+    theirs = step_traffic(LLAMA2_70B, **lay)
+    assert plan.tp_bytes == pytest.approx(theirs["tensor parallel"]["bytes"])
+    assert plan.pp_bytes == pytest.approx(theirs["pipeline parallel"]["bytes"])
+    assert plan.dp_bytes == pytest.approx(theirs["data parallel"]["bytes"], rel=0.1)   # GPT vs Llama parameters
