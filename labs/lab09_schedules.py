@@ -75,31 +75,33 @@ def from_stages(schedule: sched.Schedule) -> RankSchedule:
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> RankSchedule:
-    """Interleaved 1F1B as Megatron-LM runs it (Narayanan et al. 2021, sec. 2.2.2).
+    """Interleaved 1F1B as Megatron-LM runs it (Narayanan et al. 2021, sec. 2.2.2), v >= 2 chunks
+    per rank.
 
     Rank r runs m*v forwards, the k-th for micro-batch (k // (p v)) p + k % p on its chunk
     (k // p) % v: p micro-batches go through chunk 0, then the same p through chunk 1, and so on.
     Backwards go through the chunks in the opposite order. Rank r first runs
-    w = 2(p - r - 1) + (v - 1) p forwards (p - r - 1 when v = 1: plain 1F1B), then alternates one
-    forward and one backward, then drains the backwards. Needs m divisible by p (as Megatron).
+    w = 2(p - r - 1) + (v - 1) p forwards, then alternates one forward and one backward, then
+    drains the backwards. Needs m divisible by p (as Megatron). One chunk per rank is notebook 06's
+    1F1B, the homework there: it is not produced here.
     """
     p, m, v = num_ranks, num_microbatches, virtual_stages
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"need p, m, v >= 1, got {p}, {m}, {v}")
-    if v > 1:
-        divide(m, p, "micro-batches over the pipeline ranks (interleaved 1F1B runs groups of p)")
+    if p < 1 or m < 1 or v < 2:
+        raise ValueError(f"need p, m >= 1 and v >= 2 chunks per rank, got {p}, {m}, {v} (one chunk "
+                         "per rank is plain 1F1B: labs/lab06_schedules.one_f_one_b_schedule)")
+    divide(m, p, "micro-batches over the pipeline ranks (interleaved 1F1B runs groups of p)")
     total = m * v
 
     def microbatch(k: int) -> int:
-        return (k // (p * v)) * p + k % p if v > 1 else k
+        return (k // (p * v)) * p + k % p
 
     def chunk(k: int, forward: bool) -> int:
-        c = (k // p) % v if v > 1 else 0
+        c = (k // p) % v
         return c if forward else v - 1 - c
 
     rows: RankSchedule = []
     for rank in range(p):
-        warmup = min(total, 2 * (p - rank - 1) + (v - 1) * p if v > 1 else p - rank - 1)
+        warmup = min(total, 2 * (p - rank - 1) + (v - 1) * p)
         fwd = lambda k: ("F", microbatch(k), chunk(k, True) * p + rank)       # noqa: E731
         bwd = lambda k: ("B", microbatch(k), chunk(k, False) * p + rank)      # noqa: E731
         actions = [fwd(k) for k in range(warmup)]
@@ -273,12 +275,11 @@ PLANNER_SCHEDULES = ("GPipe", "1F1B", "interleaved 1F1B", "ZB-H1")
 
 
 def planner_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> RankSchedule:
-    """The schedules the planner knows, as RankSchedules. 1F1B is interleaved_1f1b with v = 1
-    (so the planner does not need notebook 06's exercise)."""
-    if name == "GPipe":
+    """The schedules the planner knows, as RankSchedules, for timing them. 1F1B takes exactly as
+    long as GPipe with equal micro-batch times (notebook 06: same makespan, fewer activations held),
+    so it is timed with GPipe's order: the planner does not depend on notebook 06's exercise."""
+    if name in ("GPipe", "1F1B"):
         return from_stages(sched.gpipe_schedule(num_ranks, num_microbatches))
-    if name == "1F1B":
-        return interleaved_1f1b(num_ranks, num_microbatches, 1)
     if name == "interleaved 1F1B":
         return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
     if name == "ZB-H1":
@@ -306,6 +307,8 @@ def _unit_makespan(name: str, p: int, m: int, v: int, backward_ratio: float) -> 
 
 @functools.lru_cache(maxsize=4096)
 def _peak_held_rank0(name: str, p: int, m: int, v: int) -> float:
+    if name == "1F1B":  # its warm-up: rank 0 holds at most p micro-batches (notebook 06)
+        return float(min(p, m))
     return peak_held(planner_schedule(name, p, m, v))[0]
 
 
