@@ -400,6 +400,28 @@ def fit_latency_bandwidth(sizes_bytes: Sequence[float],
     return latency, 1.0 / inverse_bandwidth
 
 
+def all_reduce_fit(sizes_bytes: Sequence[int], *, device: torch.device, group=None,
+                   repeats: int = 5, attempts: int = 3) -> tuple[float, float, list[dict]]:
+    """Time the all-reduce at each size and fit t(S) = latency + S / algbw; returns (latency_s,
+    algbw_bytes_per_s, rows). Every rank gets the same rows (each time is the slowest rank's),
+    so every rank takes the same decision below.
+
+    On a loaded machine a burst of noise can make a larger all-reduce look no slower than a
+    smaller one; the sweep is then repeated (with twice the repeats) rather than failing."""
+    case = next(c for c in BUILTIN_CASES if c.name == "all_reduce")
+    for attempt in range(attempts):
+        rows = sweep([case], sizes_bytes, device=device, group=group, warmup=1,
+                     repeats=repeats * 2 ** attempt)
+        try:
+            latency, algbw_ = fit_latency_bandwidth([r["bytes"] for r in rows],
+                                                    [r["seconds"] for r in rows])
+            return latency, algbw_, rows
+        except ValueError:
+            if attempt == attempts - 1:
+                raise ValueError(f"all-reduce times did not grow with size in {attempts} sweeps "
+                                 f"(the machine is very busy?): {[r['seconds'] for r in rows]}")
+
+
 def predict_seconds(size_bytes: float, latency_s: float, bandwidth_bytes_per_s: float) -> float:
     return latency_s + size_bytes / bandwidth_bytes_per_s
 

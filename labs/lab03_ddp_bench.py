@@ -30,7 +30,7 @@ from torch import nn
 
 from helpers import pick
 from helpers.bench import measure
-from helpers.comm_bench import BUILTIN_CASES, fit_latency_bandwidth, sweep
+from helpers.comm_bench import all_reduce_fit
 from helpers.dist import DistContext, distributed, synchronize
 from helpers.exercise import attempt
 from helpers.show import table
@@ -176,9 +176,7 @@ def best_bucket(total_bytes: int, backward_s: float, latency_s: float,
 
 def alpha_beta(ctx: DistContext, sizes_bytes: Sequence[int], repeats: int) -> dict:
     """all-reduce time = latency + bytes / bandwidth, fitted from all-reduces timed on their own."""
-    case = next(c for c in BUILTIN_CASES if c.name == "all_reduce")
-    rows = sweep([case], sizes_bytes, device=ctx.device, warmup=1, repeats=repeats)
-    latency, bandwidth = fit_latency_bandwidth([r["bytes"] for r in rows], [r["seconds"] for r in rows])
+    latency, bandwidth, rows = all_reduce_fit(sizes_bytes, device=ctx.device, repeats=repeats)
     return {"latency_s": latency, "bandwidth_Bps": bandwidth,
             "points": [{"bytes": r["bytes"], "seconds": r["seconds"]} for r in rows]}
 
@@ -253,7 +251,7 @@ def run(ctx: DistContext) -> dict:
                f"gradients, local batch {local_batch_size}, {ctx.world_size} ranks, {ctx.backend} "
                f"on {ctx.device}")
     rows = bench(ctx, width, depth, local_batch_size, caps_mb, rounds, repeats)
-    model = alpha_beta(ctx, pick([4, 64 * KiB, MiB, 4 * MiB], [4, 64 * KiB, MiB]), repeats=pick(5, 3))
+    model = alpha_beta(ctx, pick([4, 64 * KiB, MiB, 4 * MiB], [4, 256 * KiB, 4 * MiB]), repeats=pick(5, 3))
     model.update(predictions(rows, model, total_bytes))
     config = {"width": width, "depth": depth, "local_batch_size": local_batch_size,
               "caps_mb": caps_mb, "samples": rounds * repeats, "total_bytes": total_bytes}

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from helpers import pick
-from helpers.accounting import count_collectives, held_bytes, summarize
+from helpers.accounting import backend_released, count_collectives, held_bytes, summarize
 from helpers.comm_bench import all_gather_single, reduce_scatter_single
 from helpers.dist import DistContext, distributed
 from helpers.show import table
@@ -252,7 +252,7 @@ class ZeroDataParallel:
         """ZeRO-3: every rank's (S,) shard into a new (padded,) buffer, tracked while it lives."""
         full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
         all_gather_single(full, shard, group=self.group)
-        self.liveness.track(full, f"unit {unit.index} ({when})")
+        self.liveness.track(backend_released(full), f"unit {unit.index} ({when})")
         return full
 
     # ---------------------------------------------------------------- training

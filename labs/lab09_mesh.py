@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from helpers import pick, smoke
 from helpers.accounting import held_bytes
 from helpers.bench import measure
-from helpers.comm_bench import BUILTIN_CASES, fit_latency_bandwidth, slowest, sweep
+from helpers.comm_bench import all_reduce_fit, slowest
 from helpers.dist import DistContext, distributed
 from helpers.exercise import attempt
 from helpers.show import table
@@ -233,9 +233,8 @@ def all_reduce_alpha_beta(ctx: DistContext) -> dict:
     """Notebook 04's sweep and fit of the all-reduce on all ranks, t = latency + S / algbw, given
     per ring step and as bus bandwidth: the planner's alpha and beta (2(n-1) steps; busbw =
     algbw x 2(n-1)/n)."""
-    sizes = [4, 64 * 1024, 1024 * 1024] if smoke() else [4 * 4 ** i for i in range(0, 12, 2)]
-    rows = sweep([BUILTIN_CASES[0]], sizes, device=ctx.device, warmup=1, repeats=pick(5, 2))
-    latency, algbw = fit_latency_bandwidth([r["bytes"] for r in rows], [r["seconds"] for r in rows])
+    sizes = [4, 256 * 1024, 4 * 1024 * 1024] if smoke() else [4 * 4 ** i for i in range(0, 12, 2)]
+    latency, algbw, rows = all_reduce_fit(sizes, device=ctx.device, repeats=pick(5, 2))
     n = ctx.world_size
     return {"rows": rows, "latency_s": latency, "algbw": algbw,
             "step_latency_s": latency / (2 * (n - 1)), "busbw": algbw * 2 * (n - 1) / n, "ranks": n}

@@ -109,10 +109,27 @@ class Drill:
     output: str
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+_HANDED_OUT: set[int] = set()  # ports given to a job that may not have bound them yet
+
+
+def bound_socket() -> socket.socket:
+    """A listening socket on a port no drill of this process was handed (the OS can give a just-
+    closed port again, and the drills run at once)."""
+    while True:
+        s = socket.socket()
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        if s.getsockname()[1] not in _HANDED_OUT:
+            s.listen()
+            return s
+        s.close()
+
+
+def free_port() -> int:
+    """A port for a job to bind (closed here; the job binds it a moment later)."""
+    with bound_socket() as s:
+        port = s.getsockname()[1]
+    _HANDED_OUT.add(port)
+    return port
 
 
 def last_exception_line(output: str) -> str:
@@ -153,19 +170,17 @@ SIGNATURES = {  # what each drill's failure must look like; run_drill checks it
 def run_drill(name: str, nproc: int, timeout: float) -> Drill:
     """Launch one planted crash; return what it looked like (AssertionError if it looked wrong)."""
     here = os.path.abspath(__file__)
+    holder = None
+    if name == "port in use":  # someone else (a previous job) holds MASTER_PORT
+        holder = bound_socket()  # held from here on: no other run can take it
     if name in ("out of memory", "killed mid-step"):
         kwargs = dict(nproc=nproc)
         args = ["--crash", "oom" if name == "out of memory" else "kill"]
     else:  # node 0 of a two-node job; node 1 never starts
-        port = free_port()
+        port = holder.getsockname()[1] if holder else free_port()
         kwargs = dict(nproc=1, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port,
                       torchrun_args=["--rdzv-conf", "timeout=3"])  # give up waiting after 3 s
         args = []
-    holder = None
-    if name == "port in use":
-        holder = socket.socket()  # someone else (a previous job) holds MASTER_PORT
-        holder.bind(("127.0.0.1", kwargs["master_port"]))
-        holder.listen()
     try:
         launch(here, *args, timeout=timeout, stream=False, **kwargs)
         raise AssertionError(f"drill {name!r}: the job did not fail")
