@@ -144,7 +144,7 @@ case "$cmd" in
     # exercise tests run through ./run.sh check and grade in the student-journey test instead.
     "$PY" -m pytest tests notebooks --nbmake --nbmake-timeout=600 \
       -n "${TEST_WORKERS:-2}" --dist loadgroup \
-      --ignore=tests/public --ignore=tests/hidden "$@" || status=$?
+      --ignore=tests/public --ignore=tests/hidden --durations=30 "$@" || status=$?
     if [[ $status -eq 5 ]]; then echo "run.sh: pytest found no tests" >&2; fi
     exit $status
     ;;
