@@ -1,11 +1,8 @@
-"""Bytes a process really holds and bytes it sends: storages counted once, every tensor an object
-keeps, every collective it issues.
+"""Bytes a process really holds: storages counted once, every tensor an object keeps (what it
+sends is counted in helpers.comm_count).
 
     held_bytes({"parameters": params, "gradients": grads, "optimizer state": states})
     tensors_held_by(optimizer, exclude=params)   # what an optimizer keeps, wherever it keeps it
-    with count_collectives() as log:             # what one training step sends
-        step()
-    summarize(log)                               # {"calls": {"all_gather": 8, ...}, "sent_bytes": ...}
 
 A view (a parameter that lives inside a flat buffer, the shard of one, `W.t()`) shares its base's
 storage, so adding up `Tensor.nbytes` counts shared bytes twice and misses the rest of a buffer;
@@ -14,14 +11,11 @@ gradients and optimizer states) count their local shard.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 import types
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -94,72 +88,3 @@ def tensors_held_by(obj: Any, exclude: Iterable[torch.Tensor] = ()) -> list[torc
         elif hasattr(item, "__dict__"):
             stack.extend(vars(item).values())
     return found
-
-
-# ------------------------------------------------------------------------------------ collectives
-# Bytes each rank sends, on average, per byte of a collective's size (nccl-tests' size convention:
-# all-gather's output, reduce-scatter's input) with bandwidth-optimal ring/pipeline algorithms.
-RING_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n}
-# ProcessGroup methods behind torch.distributed's collectives: (kind, which argument is the size)
-_PG_METHODS = {
-    "allreduce": ("all_reduce", 0), "allreduce_coalesced": ("all_reduce", 0),
-    "broadcast": ("broadcast", 0),
-    "all_gather_single": ("all_gather", 0), "_allgather_base": ("all_gather", 0),
-    "allgather": ("all_gather", 0), "all_gather_single_coalesced": ("all_gather", 0),
-    "allgather_into_tensor_coalesced": ("all_gather", 0),
-    "reduce_scatter_single": ("reduce_scatter", 1), "_reduce_scatter_base": ("reduce_scatter", 1),
-    "reduce_scatter": ("reduce_scatter", 1), "reduce_scatter_single_coalesced": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1),
-}
-
-
-def _size(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return local_tensor(x).nbytes
-    return sum(_size(item) for item in x) if isinstance(x, (list, tuple)) else 0
-
-
-@dataclass(frozen=True)
-class Collective:
-    kind: str        # all_reduce, all_gather, reduce_scatter or broadcast
-    nbytes: int      # its size (nccl-tests' convention)
-    world_size: int
-
-    @property
-    def sent_bytes(self) -> float:
-        return self.nbytes * RING_SHARE[self.kind](self.world_size)
-
-
-@contextlib.contextmanager
-def count_collectives() -> Iterator[list[Collective]]:
-    """Record every collective this process issues from Python inside the block (hand-written
-    code, ZeroRedundancyOptimizer, FSDP2: all call `ProcessGroup` methods). DDP's reducer calls
-    them from C++ and is not seen. Like helpers.comm_bench.count_p2p, it wraps the methods on the
-    class for the block and puts them back after; the collectives really run."""
-    pg_class, log, saved = dist.ProcessGroup, [], {}
-
-    def make(kind: str, size_arg: int, original):
-        def counted(self, *args, **kwargs):
-            log.append(Collective(kind, _size(args[size_arg]), self.size()))
-            return original(self, *args, **kwargs)
-        return counted
-
-    try:
-        for name, (kind, size_arg) in _PG_METHODS.items():
-            if name in pg_class.__dict__:
-                saved[name] = pg_class.__dict__[name]
-                setattr(pg_class, name, make(kind, size_arg, getattr(pg_class, name)))
-        yield log
-    finally:
-        for name, raw in saved.items():
-            setattr(pg_class, name, raw)
-
-
-def summarize(log: list[Collective]) -> dict:
-    """Calls per kind, their total size and the bytes this rank sent (ring algorithms)."""
-    calls: dict[str, int] = {}
-    for c in log:
-        calls[c.kind] = calls.get(c.kind, 0) + 1
-    return {"calls": calls, "bytes": sum(c.nbytes for c in log),
-            "sent_bytes": sum(c.sent_bytes for c in log)}

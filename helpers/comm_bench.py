@@ -1,10 +1,7 @@
-"""Communication, measured: bytes counted per message, and bandwidth timed as NCCL reports it.
+"""Communication, timed as NCCL reports it (what a process sends is counted in helpers.comm_count).
 
-Two tools, used by notebook 04 and its labs and tests:
+Used by notebooks 03, 04 and 09 and their labs and tests:
 
-- `count_p2p()`: a context manager that records every point-to-point message this process sends
-  or receives (peer and bytes) and makes every built-in collective raise `CollectiveUsed`, so a
-  hand-written all-reduce can be checked for the traffic it generates and for not calling one.
 - `sweep()`: times collectives over message sizes (warm-up, synchronize, barrier, median of
   several runs, the slowest rank's time) and reports algorithm and bus bandwidth as nccl-tests
   defines them (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md):
@@ -16,26 +13,25 @@ Two tools, used by notebook 04 and its labs and tests:
   busbw is the rate each rank's link must carry for a bandwidth-optimal (ring) algorithm to
   finish in time t; it does not depend on n, so it can be compared with the hardware's link speed.
   `side_by_side()` races a few cases at one size in alternating rounds (fair ratios on a noisy
-  machine); `fit_latency_bandwidth()` fits t(S) = latency + S / bandwidth; `machine_limit()`
-  measures what one process can copy (local memory on the CPU; on GPUs the device copy, and the
-  GPU-to-GPU copy when there are two). `LINK_BYTES_PER_S`: vendors' link speeds, per direction
-  (the unit busbw is in).
+  machine); `fit_latency_bandwidth()` fits t(S) = latency + S / bandwidth (`all_reduce_fit()`
+  sweeps the all-reduce and fits it); `machine_limit()` measures what one process can copy (local
+  memory on the CPU; on GPUs the device copy, and the GPU-to-GPU copy when there are two).
+  `LINK_BYTES_PER_S`: vendors' link speeds, per direction (the unit busbw is in).
 
 SIZE CONVENTION (as nccl-tests): all-reduce and broadcast: the tensor; all-gather: the gathered
 output (n times each rank's input); reduce-scatter: the input (n times each rank's output).
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from helpers.bench import Timing, measure
+from helpers.comm_count import RING_SHARE
 from helpers.dist import gpu_count, synchronize
-from helpers.tensors import nbytes
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -65,12 +61,9 @@ LINK_BYTES_PER_S = {             # per direction
 
 
 # ----------------------------------------------------------------------------- bus bandwidth
-BUS_FACTORS: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
+# The ring's bytes sent per rank per byte of size; broadcast's factor is 1 by nccl-tests' choice
+# (its ring sends (n-1)/n, but every rank must receive the whole tensor).
+BUS_FACTORS: dict[str, Callable[[int], float]] = {**RING_SHARE, "broadcast": lambda n: 1.0}
 
 
 def bus_factor(kind: str, world_size: int) -> float:
@@ -98,140 +91,6 @@ def lecture_bandwidth(sent_bytes_all_ranks: float, world_size: int, seconds: flo
     """The lecture's `sent_bytes / (world_size * duration)`: bytes sent per rank per second,
     averaged over ranks, for the bytes some algorithm actually (or supposedly) sent."""
     return sent_bytes_all_ranks / (world_size * seconds)
-
-
-# ----------------------------------------------------------------------------- counting bytes
-class CollectiveUsed(RuntimeError):
-    """Raised inside `count_p2p()` when code calls a built-in collective."""
-
-
-@dataclass(frozen=True)
-class Message:
-    direction: str          # "send" or "recv"
-    peer: int | None        # the other end, as a rank of the group used (None: any source)
-    global_peer: int | None  # the same rank in the default group
-    nbytes: int
-    group_rank: int         # this process's rank in that group
-    group_size: int
-
-
-@dataclass
-class Traffic:
-    """Every point-to-point message one process sent or received inside `count_p2p()`."""
-    messages: list[Message] = field(default_factory=list)
-
-    def _of(self, direction: str) -> list[Message]:
-        return [m for m in self.messages if m.direction == direction]
-
-    @property
-    def sent_bytes(self) -> int:
-        return sum(m.nbytes for m in self._of("send"))
-
-    @property
-    def recv_bytes(self) -> int:
-        return sum(m.nbytes for m in self._of("recv"))
-
-    @property
-    def sends(self) -> int:
-        return len(self._of("send"))
-
-    @property
-    def recvs(self) -> int:
-        return len(self._of("recv"))
-
-    @property
-    def send_peers(self) -> list[int | None]:
-        return sorted({m.peer for m in self._of("send")}, key=lambda p: -1 if p is None else p)
-
-    @property
-    def recv_peers(self) -> list[int | None]:
-        return sorted({m.peer for m in self._of("recv")}, key=lambda p: -1 if p is None else p)
-
-    def summary(self) -> dict:
-        return {"sent_bytes": self.sent_bytes, "recv_bytes": self.recv_bytes, "sends": self.sends,
-                "recvs": self.recvs, "send_peers": self.send_peers, "recv_peers": self.recv_peers}
-
-
-# ProcessGroup methods behind every built-in collective (dist.all_reduce calls group.allreduce,
-# and so on); those this torch lacks are skipped.
-COLLECTIVE_METHODS = (
-    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
-    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
-    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
-    "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "alltoall",
-    "alltoall_base", "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier",
-    "monitored_barrier",
-)
-
-
-def _global_rank(group, group_rank: int) -> int | None:
-    try:
-        return dist.get_global_rank(group, group_rank)
-    except (RuntimeError, ValueError):
-        return None
-
-
-@contextlib.contextmanager
-def count_p2p(forbid_collectives: bool = True) -> Iterator[Traffic]:
-    """Record this process's point-to-point messages; optionally make collectives raise.
-
-    Every route to point-to-point (send, recv, isend, irecv, batch_isend_irecv, on any group and
-    backend) ends in `ProcessGroup.send / recv / recv_anysource`, so those are wrapped on the class
-    for the duration of the block and restored after. The messages really go out: this counts,
-    it does not fake. Not thread-safe against other code using torch.distributed meanwhile.
-    """
-    pg_class = dist.ProcessGroup
-    traffic = Traffic()
-    saved = {}  # the raw class attributes, put back as they were
-
-    def wrap(name, make):
-        if name not in pg_class.__dict__:
-            raise RuntimeError(f"count_p2p: torch {torch.__version__} has no ProcessGroup.{name} "
-                               "to wrap; byte counting needs updating for this version")
-        saved[name] = pg_class.__dict__[name]
-        setattr(pg_class, name, make(getattr(pg_class, name)))
-
-    def make_send(original):
-        def send(self, tensors, dst, tag=0):
-            traffic.messages.append(Message("send", dst, _global_rank(self, dst), nbytes(tensors),
-                                            self.rank(), self.size()))
-            return original(self, tensors, dst, tag)
-        return send
-
-    def make_recv(original):
-        def recv(self, tensors, src, tag=0):
-            traffic.messages.append(Message("recv", src, _global_rank(self, src), nbytes(tensors),
-                                            self.rank(), self.size()))
-            return original(self, tensors, src, tag)
-        return recv
-
-    def make_recv_anysource(original):
-        def recv_anysource(self, tensors, tag=0):
-            traffic.messages.append(Message("recv", None, None, nbytes(tensors), self.rank(),
-                                            self.size()))
-            return original(self, tensors, tag)
-        return recv_anysource
-
-    def make_forbidden(name):
-        def make(_original):
-            def forbidden(self, *args, **kwargs):
-                raise CollectiveUsed(f"a built-in collective ({name}) was called inside count_p2p();"
-                                     " only point-to-point operations are allowed here")
-            return forbidden
-        return make
-
-    try:
-        wrap("send", make_send)
-        wrap("recv", make_recv)
-        wrap("recv_anysource", make_recv_anysource)
-        if forbid_collectives:
-            for name in COLLECTIVE_METHODS:
-                if name in pg_class.__dict__:
-                    wrap(name, make_forbidden(name))
-        yield traffic
-    finally:
-        for name, raw in saved.items():
-            setattr(pg_class, name, raw)
 
 
 # ----------------------------------------------------------------------------- timing sweep

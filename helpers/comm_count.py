@@ -1,61 +1,237 @@
-"""Count the built-in collectives a block of code issues, and the bytes it hands them.
+"""What a process sends, counted: point-to-point messages and built-in collectives.
 
-    with count_collectives() as log:
-        dist.all_reduce(x)
-        dist.all_gather_object(out, {"a": 1})
-    log.calls, log.sent_bytes      # 3 calls (all_gather_object is two all-gathers), bytes put in
+    with count_p2p() as traffic:              # a hand-written collective (notebook 04)
+        ring_all_reduce(x)
+    traffic.sent_bytes, traffic.send_peers    # and any built-in collective inside raised
 
-Every collective of torch.distributed ends in a method of `ProcessGroup` (dist.all_reduce calls
-`group.allreduce`, all_gather_into_tensor `group.all_gather_single`, ...), so those methods are
-wrapped on the class for the duration of the block and restored after, as `comm_bench.count_p2p`
-does for point-to-point. The collectives really run: this counts, it does not fake. `sent_bytes`
-is what this rank put in (the input tensors; for a scatter or broadcast, whatever the root holds),
-not what travels on the wire. `log.paused()` stops counting for a nested block (e.g. a training
-step inside a checker). Not thread-safe against other threads using torch.distributed meanwhile.
+    with count_collectives() as log:          # a training step (notebooks 08-10)
+        step()
+    summarize(log)                            # {"calls": {"all_gather": 8, ...}, "sent_bytes": ...}
+    log.ops                                   # [(ProcessGroup method, input bytes), ...] in order
+
+Every route into torch.distributed ends in a method of `ProcessGroup`: `dist.send` and
+`batch_isend_irecv` in `send`/`recv`, `dist.all_reduce` in `allreduce`, `all_gather_into_tensor`
+in `all_gather_single` (or `_allgather_base`), and so on. `patched()` wraps such methods on the
+class for the length of a block and puts them back after; the operations really run: this counts,
+it does not fake. Code that calls the backend from C++ (DDP's reducer) is not seen. Not thread-safe
+against other threads using torch.distributed meanwhile.
+
+Bytes sent by a collective are those of a bandwidth-optimal ring (notebook 04): `RING_SHARE[kind]`
+bytes per byte of its size, the size being nccl-tests' (all-gather: its output; reduce-scatter:
+its input; all-reduce and broadcast: the tensor).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-# method -> index of the positional argument that holds this rank's input tensors
-INPUT_ARG = {
-    "allreduce": 0, "allreduce_coalesced": 0, "broadcast": 0, "reduce": 0,
-    "allgather": 1, "_allgather_base": 1, "all_gather_single": 1, "allgather_coalesced": 1,
-    "allgather_into_tensor_coalesced": 1, "gather": 1, "scatter": 1, "reduce_scatter": 1,
-    "_reduce_scatter_base": 1, "reduce_scatter_single": 1, "reduce_scatter_tensor_coalesced": 1,
-    "alltoall": 1, "alltoall_base": 1, "barrier": None, "monitored_barrier": None,
+# Bytes each rank sends, per byte of the collective's size, with ring (or pipelined) algorithms.
+RING_SHARE: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,   # a reduce-scatter, then an all-gather
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+}
+
+
+def ring_bytes_sent(kind: str, size_bytes: float, world_size: int) -> float:
+    """Bytes each of `world_size` ranks sends for one ring collective of `size_bytes`."""
+    return RING_SHARE[kind](world_size) * size_bytes
+
+
+# ProcessGroup method -> (kind, argument holding the size, argument holding this rank's input).
+# A kind outside RING_SHARE (gather, alltoall...) is counted with its input bytes as sent.
+COLLECTIVE_METHODS: dict[str, tuple[str, int | None, int | None]] = {
+    "allreduce": ("all_reduce", 0, 0), "allreduce_coalesced": ("all_reduce", 0, 0),
+    "broadcast": ("broadcast", 0, 0), "reduce": ("reduce", 0, 0),
+    "allgather": ("all_gather", 0, 1), "_allgather_base": ("all_gather", 0, 1),
+    "all_gather_single": ("all_gather", 0, 1), "allgather_coalesced": ("all_gather", 0, 1),
+    "all_gather_single_coalesced": ("all_gather", 0, 1),
+    "allgather_into_tensor_coalesced": ("all_gather", 0, 1),
+    "reduce_scatter": ("reduce_scatter", 1, 1), "_reduce_scatter_base": ("reduce_scatter", 1, 1),
+    "reduce_scatter_single": ("reduce_scatter", 1, 1),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", 1, 1),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1, 1),
+    "gather": ("gather", 1, 1), "scatter": ("scatter", 1, 1),
+    "alltoall": ("all_to_all", 1, 1), "alltoall_base": ("all_to_all", 1, 1),
+    "all_to_all_single": ("all_to_all", 1, 1),
+    "barrier": ("barrier", None, None), "monitored_barrier": ("barrier", None, None),
 }
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor in `obj` (a tensor or nested lists/tuples of them)."""
+    """Bytes of every tensor in `obj` (a tensor or nested lists/tuples of them); a DTensor counts
+    its local shard."""
     if isinstance(obj, torch.Tensor):
-        return obj.nbytes
+        return (obj.to_local() if hasattr(obj, "to_local") else obj).nbytes
     if isinstance(obj, (list, tuple)):
         return sum(tensor_bytes(o) for o in obj)
     return 0
 
 
-@dataclass
-class CollectiveLog:
-    ops: list[tuple[str, int]] = field(default_factory=list)   # (method, input bytes), in order
-    counting: bool = True
+@contextlib.contextmanager
+def patched(makers: dict[str, Callable[[Callable], Callable]],
+            required: tuple[str, ...] = ()) -> Iterator[None]:
+    """Replace each `ProcessGroup.<name>` this torch has by `make(original)` for the block.
+    A name in `required` that this torch lacks is an error (counting would silently miss it)."""
+    pg_class, saved = dist.ProcessGroup, {}
+    missing = [name for name in required if name not in pg_class.__dict__]
+    if missing:
+        raise RuntimeError(f"torch {torch.__version__} has no ProcessGroup.{', '.join(missing)} to "
+                           "wrap; helpers/comm_count.py needs updating for this version")
+    try:
+        for name, make in makers.items():
+            if name in pg_class.__dict__:
+                saved[name] = pg_class.__dict__[name]  # the raw attribute, put back as it was
+                setattr(pg_class, name, make(getattr(pg_class, name)))
+        yield
+    finally:
+        for name, raw in saved.items():
+            setattr(pg_class, name, raw)
 
-    @property
-    def calls(self) -> int:
-        return len(self.ops)
+
+# ----------------------------------------------------------------------------- point-to-point
+class CollectiveUsed(RuntimeError):
+    """Raised inside `count_p2p()` when code calls a built-in collective."""
+
+
+@dataclass(frozen=True)
+class Message:
+    direction: str          # "send" or "recv"
+    peer: int | None        # the other end, as a rank of the group used (None: any source)
+    global_peer: int | None  # the same rank in the default group
+    nbytes: int
+    group_rank: int         # this process's rank in that group
+    group_size: int
+
+
+@dataclass
+class Traffic:
+    """Every point-to-point message one process sent or received inside `count_p2p()`."""
+    messages: list[Message] = field(default_factory=list)
+
+    def _of(self, direction: str) -> list[Message]:
+        return [m for m in self.messages if m.direction == direction]
 
     @property
     def sent_bytes(self) -> int:
-        return sum(b for _, b in self.ops)
+        return sum(m.nbytes for m in self._of("send"))
+
+    @property
+    def recv_bytes(self) -> int:
+        return sum(m.nbytes for m in self._of("recv"))
+
+    @property
+    def sends(self) -> int:
+        return len(self._of("send"))
+
+    @property
+    def recvs(self) -> int:
+        return len(self._of("recv"))
+
+    @property
+    def send_peers(self) -> list[int | None]:
+        return sorted({m.peer for m in self._of("send")}, key=lambda p: -1 if p is None else p)
+
+    @property
+    def recv_peers(self) -> list[int | None]:
+        return sorted({m.peer for m in self._of("recv")}, key=lambda p: -1 if p is None else p)
+
+    def summary(self) -> dict:
+        return {"sent_bytes": self.sent_bytes, "recv_bytes": self.recv_bytes, "sends": self.sends,
+                "recvs": self.recvs, "send_peers": self.send_peers, "recv_peers": self.recv_peers}
+
+
+def _global_rank(group, group_rank: int) -> int | None:
+    try:
+        return dist.get_global_rank(group, group_rank)
+    except (RuntimeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def count_p2p(forbid_collectives: bool = True) -> Iterator[Traffic]:
+    """Record this process's point-to-point messages (send, recv, isend, irecv,
+    batch_isend_irecv, on any group and backend); optionally make collectives raise."""
+    traffic = Traffic()
+
+    def record(direction: str, group, peer: int | None, tensors) -> None:
+        global_peer = None if peer is None else _global_rank(group, peer)
+        traffic.messages.append(Message(direction, peer, global_peer, tensor_bytes(tensors),
+                                        group.rank(), group.size()))
+
+    def make_send(original):
+        def send(self, tensors, dst, tag=0):
+            record("send", self, dst, tensors)
+            return original(self, tensors, dst, tag)
+        return send
+
+    def make_recv(original):
+        def recv(self, tensors, src, tag=0):
+            record("recv", self, src, tensors)
+            return original(self, tensors, src, tag)
+        return recv
+
+    def make_recv_anysource(original):
+        def recv_anysource(self, tensors, tag=0):
+            record("recv", self, None, tensors)
+            return original(self, tensors, tag)
+        return recv_anysource
+
+    def make_forbidden(name):
+        def make(_original):
+            def forbidden(self, *args, **kwargs):
+                raise CollectiveUsed(f"a built-in collective ({name}) was called inside count_p2p();"
+                                     " only point-to-point operations are allowed here")
+            return forbidden
+        return make
+
+    makers = {"send": make_send, "recv": make_recv, "recv_anysource": make_recv_anysource}
+    if forbid_collectives:
+        makers.update({name: make_forbidden(name) for name in COLLECTIVE_METHODS})
+    with patched(makers, required=("send", "recv", "recv_anysource")):
+        yield traffic
+
+
+# ----------------------------------------------------------------------------- collectives
+@dataclass(frozen=True)
+class Collective:
+    method: str        # the ProcessGroup method called
+    kind: str          # all_reduce, all_gather, reduce_scatter, broadcast, gather, barrier...
+    nbytes: int        # its size (nccl-tests' convention)
+    input_bytes: int   # this rank's input tensors
+    world_size: int
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank sends (a ring; the input where no ring share is defined)."""
+        if self.kind in RING_SHARE:
+            return ring_bytes_sent(self.kind, self.nbytes, self.world_size)
+        return float(self.input_bytes)
+
+
+class CollectiveLog(list):
+    """The `Collective`s issued inside `count_collectives()`, in order."""
+
+    counting = True
+
+    @property
+    def ops(self) -> list[tuple[str, int]]:
+        """(ProcessGroup method, input bytes) of each call, in order."""
+        return [(c.method, c.input_bytes) for c in self]
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes this rank handed to the collectives (what a check "costs" before any algorithm)."""
+        return sum(c.input_bytes for c in self)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
+        """Stop counting for a nested block (e.g. a training step inside a checker)."""
         before, self.counting = self.counting, False
         try:
             yield
@@ -65,27 +241,31 @@ class CollectiveLog:
 
 @contextlib.contextmanager
 def count_collectives() -> Iterator[CollectiveLog]:
-    """Record every built-in collective this process issues inside the block; see the module doc."""
-    pg_class = dist.ProcessGroup
+    """Record every built-in collective this process issues from Python inside the block
+    (hand-written code, ZeroRedundancyOptimizer, FSDP2, object collectives...)."""
     log = CollectiveLog()
-    saved = {}
 
-    def make(name, original):
-        index = INPUT_ARG[name]
+    def make(method: str):
+        kind, size_arg, input_arg = COLLECTIVE_METHODS[method]
 
-        def counted(self, *args, **kwargs):
-            if log.counting:
-                size = tensor_bytes(args[index]) if index is not None and len(args) > index else 0
-                log.ops.append((name, size))
-            return original(self, *args, **kwargs)
-        return counted
+        def wrap(original):
+            def counted(self, *args, **kwargs):
+                if log.counting:
+                    def arg(i):
+                        return tensor_bytes(args[i]) if i is not None and len(args) > i else 0
+                    log.append(Collective(method, kind, arg(size_arg), arg(input_arg), self.size()))
+                return original(self, *args, **kwargs)
+            return counted
+        return wrap
 
-    try:
-        for name in INPUT_ARG:
-            if name in pg_class.__dict__:
-                saved[name] = pg_class.__dict__[name]
-                setattr(pg_class, name, make(name, getattr(pg_class, name)))
+    with patched({method: make(method) for method in COLLECTIVE_METHODS}):
         yield log
-    finally:
-        for name, raw in saved.items():
-            setattr(pg_class, name, raw)
+
+
+def summarize(log: list[Collective]) -> dict:
+    """Calls per kind, their total size and the bytes this rank sent (ring algorithms)."""
+    calls: dict[str, int] = {}
+    for c in log:
+        calls[c.kind] = calls.get(c.kind, 0) + 1
+    return {"calls": calls, "bytes": sum(c.nbytes for c in log),
+            "sent_bytes": sum(c.sent_bytes for c in log)}

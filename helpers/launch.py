@@ -154,6 +154,10 @@ def launch(
         start = time.perf_counter()
         returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream)
         seconds = time.perf_counter() - start
+        if os.environ.get("COURSE_LAUNCH_LOG"):  # maintainers: where a test run's launches go
+            with open(os.environ["COURSE_LAUNCH_LOG"], "a") as log:
+                log.write(f"{seconds:.1f}\t{nproc}\t{os.environ.get('PYTEST_CURRENT_TEST', '-')}\t"
+                          f"{path.name} {' '.join(map(str, args))[:80]}\n")
         results = _read_results(results_dir)
         errors = _read_errors(results_dir)
     result = LaunchResult(str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path),

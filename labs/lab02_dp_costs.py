@@ -117,9 +117,9 @@ def torch_primitives_on_cpu() -> dict[str, str]:
         "gather([x[:3], x[3:]], target_device=-1)": lambda: tp.gather([x[:3], x[3:]], -1),
     }
     outcomes = {}
-    for call, attempt in attempts.items():
+    for call, try_call in attempts.items():
         try:
-            value = attempt()
+            value = try_call()
             outcomes[call] = f"ran, returned {type(value).__name__}"
         except Exception as exc:  # the point is to show the error
             outcomes[call] = _first_line(exc)

@@ -2,7 +2,7 @@
 
 Run:  ./run.sh 04      (this file alone: ./run.sh labs/lab04_traffic.py; NPROC=4 for N = 2, 3, 4)
 
-Both algorithms are built from point-to-point messages only, so `helpers.comm_bench.count_p2p`
+Both algorithms are built from point-to-point messages only, so `helpers.comm_count.count_p2p`
 can count what each rank sends and receives in one all-reduce of K bytes:
 
 - parameter server (one server, N-1 workers): every worker sends K to the server and gets K back;
@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from helpers import pick
 from helpers.bench import measure
-from helpers.comm_bench import MiB, busbw, count_p2p, lecture_bandwidth, slowest
+from helpers.comm_bench import MiB, busbw, lecture_bandwidth, slowest
+from helpers.comm_count import count_p2p
 from helpers.dist import DistContext, distributed
 from helpers.show import table
 from labs.lab04_ring import ring_all_reduce, ring_check, ring_unsolved

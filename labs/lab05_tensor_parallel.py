@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import pick
+from helpers.comm_count import ring_bytes_sent
 from helpers.dist import DistContext, distributed
 from helpers.exercise import attempt
 from helpers.show import table
@@ -41,13 +42,6 @@ def shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_world_size: int) -> t
 
 
 # ==================== collectives, counted: every call records what it carried
-def ring_bytes_sent(op: str, payload_bytes: float, world_size: int) -> float:
-    """Bytes each rank sends when a ring moves `payload_bytes` (notebook 04): all-reduce is a
-    reduce-scatter plus an all-gather, 2(N-1)/N * K; all-gather alone is (N-1)/N * K."""
-    steps = {"all_reduce": 2, "all_gather": 1}[op]
-    return steps * (world_size - 1) / world_size * payload_bytes
-
-
 @dataclass(frozen=True)
 class Collective:
     op: str                 # "all_reduce" or "all_gather"
@@ -385,7 +379,7 @@ def sample_batch(batch: int, seq: int, d_model: int, *, seed: int, dtype, device
     return x.to(device), target.to(device)
 
 
-def count_collectives(model: nn.Module, log: CommLog, x: torch.Tensor) -> list[Collective]:
+def step_collectives(model: nn.Module, log: CommLog, x: torch.Tensor) -> list[Collective]:
     """The collectives of one forward and one backward, the input requiring grad (as it does
     inside a network: otherwise autograd skips the first f's backward)."""
     log.clear()
@@ -415,7 +409,7 @@ def check_scheme(scheme: str, x: torch.Tensor, target: torch.Tensor, d_model: in
     steps side by side (compare_training). Needs the backward passes."""
     log = CommLog()
     parallel = SCHEMES[scheme](dense_mlp(d_model, d_ff, dtype=dtype, device=device), None, log)
-    calls = [(c.phase, c.op, list(c.shape)) for c in count_collectives(parallel, log, x)]
+    calls = [(c.phase, c.op, list(c.shape)) for c in step_collectives(parallel, log, x)]
     return {"calls": calls, **compare_training(dense_mlp(d_model, d_ff, dtype=dtype, device=device),
                                                parallel, x, target, steps=steps)}
 

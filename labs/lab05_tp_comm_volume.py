@@ -27,13 +27,13 @@ import torch.nn as nn
 from helpers import pick
 from helpers.bench import measure
 from helpers.comm_bench import LINK_BYTES_PER_S
+from helpers.comm_count import ring_bytes_sent
 from helpers.dist import DistContext, distributed
 from helpers.exercise import attempt
 from helpers.show import table
 from helpers.tensors import divide
 from labs.lab05_tensor_parallel import (
-    SCHEMES, Collective, CommLog, all_gather_last_dim, count_collectives, dense_mlp,
-    ring_bytes_sent, sample_batch,
+    SCHEMES, Collective, CommLog, all_gather_last_dim, dense_mlp, sample_batch, step_collectives,
 )
 
 
@@ -235,7 +235,7 @@ def count_and_time_mlps(ctx: DistContext, x: torch.Tensor, dense: nn.Module, siz
     out = {"calls": {}, "comm_rows": [], "seconds": {}}
     for scheme, build in SCHEMES.items():
         log = CommLog()
-        calls = count_collectives(build(dense, None, log), log, x)
+        calls = step_collectives(build(dense, None, log), log, x)
         out["calls"][scheme] = [asdict(c) for c in calls]
         out["comm_rows"] += comm_rows(scheme, calls, tokens, d_model, d_ff, ctx.world_size, 4)
         out["seconds"][scheme] = time_forward_backward(build(dense, None, None), x, ctx.device, repeats)

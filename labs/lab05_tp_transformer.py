@@ -29,7 +29,7 @@ from helpers.exercise import attempt
 from helpers.show import table
 from helpers.tensors import divide, seeded
 from labs.lab05_tensor_parallel import (
-    MLP, ColumnParallelLinear, CommLog, RowParallelLinear, compare_training, count_collectives,
+    MLP, ColumnParallelLinear, CommLog, RowParallelLinear, compare_training, step_collectives,
     forward_difference, megatron_mlp, sample_batch, worst,
 )
 
@@ -99,7 +99,7 @@ def train_and_count(dense: Block, parallel: Block, log: CommLog, x: torch.Tensor
                     target: torch.Tensor, steps: int) -> dict:
     """The collectives of one forward+backward, then `steps` SGD steps side by side with the dense
     block. Needs the f/g backward passes."""
-    calls = count_collectives(parallel, log, x)
+    calls = step_collectives(parallel, log, x)
     check = compare_training(dense, parallel, x, target, steps=steps)
     return {"calls": [(c.phase, c.op, list(c.shape)) for c in calls], "check": check,
             "worst": worst(check)}

@@ -29,14 +29,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
-from helpers.accounting import count_collectives, held_bytes, summarize, tensors_held_by
+from helpers.accounting import held_bytes, tensors_held_by
+from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import reduce_scatter_single
 from helpers.dist import DistContext, distributed
 from helpers.exercise import attempt
 from helpers.show import table
-from labs.lab08_zero import (LR, make_batches, make_model, max_diff, my_rows, spread_over_ranks,
-                             train_one_process)
+from labs.lab08_zero import LR, max_diff, my_rows, problem, spread_over_ranks
 
 
 # ============================================================================ the homework
@@ -204,11 +203,7 @@ def train_zero_redundancy(model: nn.Module, batches: list, device: torch.device)
 
 
 def run(ctx: DistContext) -> dict:
-    width, depth = pick(256, 32), pick(8, 4)
-    steps, global_batch = pick(6, 3), pick(96, 24)
-    model = make_model(width, depth)
-    batches = make_batches(steps, global_batch, width)
-    reference = train_one_process(model, batches)
+    model, batches, reference, shape = problem()
     num_params = sum(p.numel() for p in reference)
     unsharded = copy.deepcopy(model)
     full_state = optimizer_held(_one_adam_step(unsharded, batches[0]), unsharded)

@@ -31,14 +31,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import pick
-from helpers.accounting import count_collectives, held_bytes, summarize
+from helpers.accounting import held_bytes
+from helpers.comm_count import count_collectives, summarize
 from helpers.dist import DistContext, distributed
 from helpers.show import table
 from helpers.tensors import ddp_device_ids
-from labs.lab08_zero import (LR, PARTS, make_batches, make_model, max_diff, model_state_bytes,
-                             my_rows, optimizer_state_tensors, run_stage, spread_over_ranks,
-                             step_sent_bytes, train_one_process)
+from labs.lab08_zero import (LR, PARTS, max_diff, model_state_bytes, my_rows, optimizer_state_tensors,
+                             problem, run_stage, spread_over_ranks, step_sent_bytes)
 
 
 def train_fsdp2(model: nn.Sequential, batches: list, device: torch.device) -> dict:
@@ -99,14 +98,11 @@ def cpu_offload_probe(device: torch.device) -> dict:
 
 
 def run(ctx: DistContext) -> dict:
-    width, depth = pick(256, 32), pick(8, 4)
-    steps, global_batch = pick(6, 3), pick(96, 24)
-    model = make_model(width, depth)
-    batches = make_batches(steps, global_batch, width)
-    reference = train_one_process(model, batches)
+    model, batches, reference, shape = problem()
     num_params = sum(p.numel() for p in reference)
     n = ctx.world_size
-    out = {"num_params": num_params, "world_size": n, "width": width, "depth": depth}
+    out = {"num_params": num_params, "world_size": n, "width": shape["width"],
+           "depth": shape["depth"]}
 
     hand = {stage: run_stage(stage, model, batches, reference, ctx.device, keep_params=True)
             for stage in (1, 3)}

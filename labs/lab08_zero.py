@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from helpers import pick
-from helpers.accounting import backend_released, count_collectives, held_bytes, summarize
+from helpers.accounting import backend_released, held_bytes
+from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import all_gather_single, reduce_scatter_single
 from helpers.dist import DistContext, distributed
 from helpers.show import table
@@ -379,25 +380,30 @@ def run_stage(stage: int, model: nn.Module, batches: list, reference: list[torch
             "gathered_events": gathered_events if stage == 3 else None}
 
 
+def problem() -> tuple[nn.Module, list, list[torch.Tensor], dict]:
+    """What every lab 08 run trains: the model, its batches, the parameters one process reaches
+    after training on them, and the sizes (width, depth, steps, global_batch; smoke: smaller)."""
+    shape = dict(width=pick(256, 32), depth=pick(8, 4), steps=pick(6, 3),
+                 global_batch=pick(96, 24))  # rows divisible by 2, 3 and 4 ranks
+    model = make_model(shape["width"], shape["depth"])
+    batches = make_batches(shape["steps"], shape["global_batch"], shape["width"])
+    return model, batches, train_one_process(model, batches), shape
+
+
 def run(ctx: DistContext, sizes: list[int] | None = None) -> dict[int, list[dict]]:
     """Every stage on the first n ranks, for each n in `sizes` (default: all ranks); ranks
     outside a group wait for the next one. Returns and reports {n: one record per stage}."""
     sizes = sizes or [ctx.world_size]
     if max(sizes) > ctx.world_size or min(sizes) < 1:
         raise ValueError(f"--sizes {sizes}: each must be between 1 and the {ctx.world_size} ranks")
-    width, depth = pick(256, 32), pick(8, 4)
-    steps, global_batch = pick(6, 3), pick(96, 24)  # rows divisible by 2, 3 and 4 ranks
-    model = make_model(width, depth)
-    batches = make_batches(steps, global_batch, width)
-    reference = train_one_process(model, batches)
+    model, batches, reference, shape = problem()
     runs = {}
     for n in sizes:
         group = None if n == ctx.world_size else dist.new_group(list(range(n)))  # every rank calls
         if ctx.rank < n:
             runs[n] = [run_stage(stage, model, batches, reference, ctx.device, group)
                        for stage in STAGES]
-    ctx.report(runs={str(n): stages for n, stages in runs.items()}, width=width, depth=depth,
-               steps=steps, global_batch=global_batch)
+    ctx.report(runs={str(n): stages for n, stages in runs.items()}, **shape)
     return runs
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helpers.accounting import RING_SHARE
+from helpers.comm_count import RING_SHARE
 from helpers.tensors import divide
 from labs.lab08_zero import model_state_bytes
 from labs.lab09_schedules import PLANNER_SCHEDULES, pipeline_timing
@@ -176,7 +176,7 @@ def collective_seconds(kind: str, nbytes: float, group_size: int, latency_s: flo
     """Alpha-beta time of one ring collective (notebook 04): steps * latency + share * S / bw.
     S follows nccl-tests (all-gather: the gathered output; reduce-scatter: the input), steps are
     2(n-1) for an all-reduce and n-1 for an all-gather or a reduce-scatter, share the bytes each
-    GPU sends per byte of S (helpers.accounting.RING_SHARE). One GPU: no communication."""
+    GPU sends per byte of S (helpers.comm_count.RING_SHARE). One GPU: no communication."""
     n = group_size
     if n <= 1 or nbytes <= 0:
         return 0.0

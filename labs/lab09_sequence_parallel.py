@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import pick
-from helpers.accounting import count_collectives, summarize
+from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import reduce_scatter_single
 from helpers.dist import DistContext, distributed
 from helpers.exercise import attempt

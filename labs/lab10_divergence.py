@@ -228,8 +228,8 @@ def checked_run(bug: str, rank: int, world_size: int, device, steps: int, every:
                 replica.step(step)
         found = find_divergence(replica.model, train_step, steps, every)
     checks = len(range(0, found.step if found else steps, every)) + 1  # + the one that failed, or the last
-    return {"found": asdict(found) if found else None, "check_bytes": log.sent_bytes,
-            "checks": checks, "bytes_per_check": log.sent_bytes / checks}
+    return {"found": asdict(found) if found else None, "check_bytes": log.input_bytes,
+            "checks": checks, "bytes_per_check": log.input_bytes / checks}
 
 
 def run(rank: int, world_size: int, device) -> dict:

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from helpers import comm_bench
+from helpers import comm_bench, comm_count
 from helpers.exercise import solved
 from labs.lab04_ring import ring_chunks, ring_state, ring_state_rows
 from tests.conftest import launch_ranks
@@ -181,18 +181,18 @@ def test_count_p2p_forbids_collectives_then_restores():
     before = dict(vars(dist.ProcessGroup))
     with distributed():
         x = torch.ones(3)
-        with comm_bench.count_p2p() as traffic:
+        with comm_count.count_p2p() as traffic:
             assert vars(dist.ProcessGroup)["send"] is not before["send"]
-            with pytest.raises(comm_bench.CollectiveUsed):
+            with pytest.raises(comm_count.CollectiveUsed):
                 dist.all_reduce(x)
-            with pytest.raises(comm_bench.CollectiveUsed):
+            with pytest.raises(comm_count.CollectiveUsed):
                 dist.broadcast(x, src=0)
-            with pytest.raises(comm_bench.CollectiveUsed):
+            with pytest.raises(comm_count.CollectiveUsed):
                 dist.barrier()
         assert traffic.messages == [] and traffic.sent_bytes == 0
         assert all(vars(dist.ProcessGroup)[k] is v for k, v in before.items())
         dist.all_reduce(x)  # restored: collectives work again
-        with comm_bench.count_p2p(forbid_collectives=False):
+        with comm_count.count_p2p(forbid_collectives=False):
             dist.all_reduce(x)
         assert torch.equal(x, torch.ones(3))
 

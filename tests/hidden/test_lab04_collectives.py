@@ -7,7 +7,7 @@ traffic per rank when N divides
 the length and within one element per message of the docstring's schedule otherwise.
 
 One launch on 4 ranks runs every case; this file is also its worker (it uses its own copy of the
-inputs and checks; only helpers.comm_bench.count_p2p is shared with the public tests).
+inputs and checks; only helpers.comm_count.count_p2p is shared with the public tests).
 Tolerances: whole-number inputs must match dist.all_reduce exactly; random float32 inputs within
 rtol 1e-5, atol 1e-5 (N=4 sums in another order round differently), float64 within 1e-12.
 """
@@ -52,7 +52,7 @@ def make_input(rank: int, dtype, shape, device, random: bool = False) -> torch.T
 
 def run_case(ring_all_reduce, x, group=None, repeat: int = 1) -> dict:
     import torch.distributed as dist
-    from helpers.comm_bench import count_p2p
+    from helpers.comm_count import count_p2p
 
     expected = x.clone()
     for _ in range(repeat):

@@ -153,7 +153,7 @@ def worker_cases(ctx) -> dict:
         parallel = lab.SCHEMES[scheme](lab.dense_mlp(D_MODEL, d_ff, seed=4, dtype=dtype, device=ctx.device),
                                        group, log)
         x, target = transposed_batch(5)
-        calls = lab.count_collectives(parallel, log, x)
+        calls = lab.step_collectives(parallel, log, x)
         diffs = lab.compare_training(lab.dense_mlp(D_MODEL, d_ff, seed=4, dtype=dtype, device=ctx.device),
                                      parallel, x, target, steps=STEPS)
         return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls],
@@ -188,7 +188,7 @@ def worker_cases(ctx) -> dict:
         dense = block_lab.dense_block(HEADS * HEAD_DIM, HEADS, BLOCK_FF, seed=7, dtype=dtype, device=ctx.device)
         parallel = block_lab.tensor_parallel_block(dense, None, log)
         x, target = lab.sample_batch(2, 4, HEADS * HEAD_DIM, seed=8, dtype=dtype, device=ctx.device)
-        calls = lab.count_collectives(parallel, log, x)
+        calls = lab.step_collectives(parallel, log, x)
         diffs = lab.compare_training(dense, parallel, x, target, steps=STEPS, lr=0.1)
         return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls]}
 

@@ -4,7 +4,7 @@ Run:  ./run.sh check 04      (or: .venv/bin/python -m pytest tests/public/test_l
 
 One launch on 3 ranks (gloo on the CPU, or nccl with 3 GPUs) runs every case; this file is also
 its worker. World size 1 runs in this process. Each case compares the ring with dist.all_reduce on
-the same inputs and counts, with helpers.comm_bench.count_p2p, every message the ring sends and
+the same inputs and counts, with helpers.comm_count.count_p2p, every message the ring sends and
 receives (count_p2p also makes any built-in collective raise). Most inputs are whole numbers, so
 any summation order gives exactly the same sum: results must be equal, not just close. One input
 is random floats: close to dist.all_reduce's, and the same bits on every rank.
@@ -49,7 +49,7 @@ def make_input(rank: int, dtype: torch.dtype, shape: tuple, device, random: bool
 
 def run_case(ring_all_reduce, x: torch.Tensor, group=None, keep_values: bool = False) -> dict:
     import torch.distributed as dist
-    from helpers.comm_bench import count_p2p
+    from helpers.comm_count import count_p2p
 
     expected = x.clone()
     dist.all_reduce(expected, group=group)
@@ -157,7 +157,7 @@ def test_ring_on_a_subgroup(results):
 
 def test_ring_on_one_rank_sends_nothing():
     """World size 1, in this process: the tensor comes back unchanged and nothing is sent."""
-    from helpers.comm_bench import count_p2p
+    from helpers.comm_count import count_p2p
     from helpers.dist import distributed
 
     with distributed():

@@ -216,7 +216,7 @@ def worker_cases(ctx) -> dict:
         log = lab.CommLog()
         parallel = lab.SCHEMES[scheme](lab.dense_mlp(D_MODEL, D_FF, dtype=dtype, device=ctx.device), group, log)
         x, target = lab.sample_batch(BATCH, SEQ, D_MODEL, seed=3, dtype=dtype, device=ctx.device)
-        calls = lab.count_collectives(parallel, log, x)
+        calls = lab.step_collectives(parallel, log, x)
         diffs = lab.compare_training(lab.dense_mlp(D_MODEL, D_FF, dtype=dtype, device=ctx.device),
                                      parallel, x, target, steps=STEPS)
         return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls]}
