@@ -96,11 +96,13 @@ def _as_error(summary: str, err) -> BaseException:
     return unsolved or RankFailure(f"{summary} (launch of {err.result.script if err.result else '?'})")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the groups into node ids
 def pytest_collection_modifyitems(config, items) -> None:
     """Under `pytest -n N --dist loadgroup` (./run.sh test), keep each test file on one worker, so
     its module-scoped launch runs once; a test may pick its own group with
     `@pytest.mark.xdist_group(name)` to run beside the rest of its file."""
-    if not config.pluginmanager.hasplugin("xdist") or getattr(config.option, "dist", "no") != "loadgroup":
+    # On xdist's workers (where this runs) the controller's --dist shows as the option loadgroup.
+    if not getattr(config.option, "loadgroup", False):
         return
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
