@@ -29,7 +29,7 @@ Environment:
   LAB_TIMEOUT=S  time limit for one lab file under ./run.sh or ./run.sh NN (default 900)
   COURSE_SMOKE=1 small sizes (set by ./run.sh test)
   COURSE_DEVICE=cpu   use gloo on the CPU even when GPUs are present
-  TEST_WORKERS=N pytest processes for ./run.sh test (default 2)
+  TEST_WORKERS=N pytest processes for ./run.sh test (default 3)
 EOF
 }
 
@@ -139,11 +139,12 @@ case "$cmd" in
     export COURSE_SMOKE="${COURSE_SMOKE:-1}"
     export MPLBACKEND=Agg
     status=0
-    # Two pytest processes share the cores; each test file (and each notebook) stays whole on one
-    # of them (tests/conftest.py groups them), so a file's launch runs once. The public and hidden
+    # Three pytest processes share the cores (a launch spends part of its time starting up and
+    # waiting); each test file (and each notebook) stays whole on one of them (tests/conftest.py
+    # groups them), so a file's launch runs once. The public and hidden
     # exercise tests run through ./run.sh check and grade in the student-journey test instead.
     "$PY" -m pytest tests notebooks --nbmake --nbmake-timeout=600 \
-      -n "${TEST_WORKERS:-2}" --dist loadgroup \
+      -n "${TEST_WORKERS:-3}" --dist loadgroup \
       --ignore=tests/public --ignore=tests/hidden --durations=30 "$@" || status=$?
     if [[ $status -eq 5 ]]; then echo "run.sh: pytest found no tests" >&2; fi
     exit $status
