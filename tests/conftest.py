@@ -107,3 +107,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    # Longest first, so no long test starts last and runs alone at the end: the student journey
+    # (check, submit, grade: minutes), then the notebooks of both editions, then the rest.
+    def rank(item) -> int:
+        group = item.get_closest_marker("xdist_group").args[0]
+        return 0 if group == "student-homework" else 1 if ".ipynb" in item.nodeid else 2
+    items.sort(key=rank)
