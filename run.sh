@@ -141,11 +141,12 @@ case "$cmd" in
     status=0
     # Three pytest processes share the cores (a launch spends part of its time starting up and
     # waiting); each test file (and each notebook) stays whole on one of them (tests/conftest.py
-    # groups them), so a file's launch runs once. The public and hidden
-    # exercise tests run through ./run.sh check and grade in the student-journey test instead.
+    # groups them), so a file's launch runs once. The public exercise tests run through
+    # ./run.sh check in the student-journey test instead; the hidden ones run here, on the
+    # instructor's solutions (the student edition has none).
     "$PY" -m pytest tests notebooks --nbmake --nbmake-timeout=600 \
       -n "${TEST_WORKERS:-3}" --dist loadgroup \
-      --ignore=tests/public --ignore=tests/hidden --durations=30 "$@" || status=$?
+      --ignore=tests/public --durations=30 "$@" || status=$?
     if [[ $status -eq 5 ]]; then echo "run.sh: pytest found no tests" >&2; fi
     exit $status
     ;;

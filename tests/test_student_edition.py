@@ -7,10 +7,13 @@
 - `./run.sh check` reports every exercise "not implemented yet" and exits non-zero;
 - with the instructor's labs/*.py copied in, `./run.sh check` passes;
 - `./run.sh submit` packs both states; `./run.sh grade` (the instructor's checkout, hidden tests
-  included, in the grading sandbox) gives the stub archive 0 and the solved archive full marks.
+  included, in the grading sandbox) gives the stub archive 0 and the solved archive full marks, on
+  GRADED_LABS: one lab of processes and one of ranks, so the sandbox runs both kinds of test.
 
-This is also where the public and hidden exercise tests run in `./run.sh test`: through `check`
-and `grade`, as students and instructors run them (so they are not collected a second time).
+This is also where the public exercise tests run in `./run.sh test`: through `check`, as students
+run them (so they are not collected a second time). The hidden tests of every lab run directly in
+`./run.sh test` on the instructor's solutions; grading all labs here would run the public tests a
+second time for no new fact about the course (minutes of CI).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p.name for p in (REPO_ROOT / "notebooks").glob("*.ipynb"))
 STUB = re.compile(r"Exercise (\S+) \(notebook (\d+)_[^)]*\)")
 NOTICE_NAME = re.compile(r"Exercise (\S+) is not done yet")
+GRADED_LABS = ("01", "04")  # lab 01: worker processes; lab 04: torchrun ranks
 
 
 def _env(edition: Path, **extra: str) -> dict[str, str]:
@@ -130,10 +134,11 @@ def test_check_submit_and_grade_from_stubs_to_full_marks(edition, tmp_path):
     assert solved.returncode == 0, f"check fails with the solutions in:\n{solved.stdout[-4000:]}"
     solved_archive = _submitted(_run_sh(work, "submit", COURSE_STUDENT_ID="student-solved"), work)
 
-    # 3. The instructor grades both, hidden tests included.
+    # 3. The instructor grades both, hidden tests included (GRADED_LABS).
     out = tmp_path / "grades"
+    labs = [arg for lab in GRADED_LABS for arg in ("--lab", lab)]
     graded = subprocess.run([sys.executable, "-m", "helpers.homework", "grade", str(stub_archive),
-                             str(solved_archive), "--out", str(out)], cwd=REPO_ROOT,
+                             str(solved_archive), "--out", str(out), *labs], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=1500, env=_env(REPO_ROOT))
     assert graded.returncode == 0, f"grade failed:\n{graded.stdout[-3000:]}\n{graded.stderr[-3000:]}"
     rows = {row["submission"]: row for row in csv.DictReader(open(out / "grades.csv"))}
