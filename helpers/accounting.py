@@ -31,8 +31,10 @@ def backend_released(tensor: torch.Tensor, timeout: float = 5.0) -> torch.Tensor
     40% of output tensors still had 3 references). While it does, a tensor whose last Python
     reference goes is kept alive by PyTorch, so memory freed "now" is freed a little later, at a
     time that depends on the machine's load. Waiting here makes lifetimes depend on our code only.
+    CPU tensors only: on a GPU, NCCL holds the tensor until its kernel has run on the stream, and
+    that is when the memory really becomes free (and the caching allocator keeps it anyway).
     """
-    use_count = getattr(tensor, "_use_count", None)  # private; absent means: do not wait
+    use_count = getattr(tensor, "_use_count", None) if tensor.device.type == "cpu" else None
     deadline = time.monotonic() + timeout
     while use_count is not None and use_count() > 1 and time.monotonic() < deadline:
         time.sleep(0.0001)
