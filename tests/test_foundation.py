@@ -165,7 +165,12 @@ def _start_launching_process(tmp_path: Path) -> tuple[subprocess.Popen, list[int
     cell); returns it once both ranks are running, with the ranks' pids."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    code = ("from helpers.launch import launch\n"
+    # Like a Jupyter kernel, the process turns SIGINT into KeyboardInterrupt even when it was
+    # started with SIGINT ignored (a shell's background job, e.g. `./run.sh test &`, is).
+    code = ("import faulthandler, signal\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"  # a stuck launcher: _stuck
+            "from helpers.launch import launch\n"
             "launch('tests/scripts/hang_rank.py', '--all', nproc=2, timeout=300, stream=False,\n"
             f"       env={{'HANG_PID_DIR': {str(pid_dir)!r}}})\n")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
@@ -183,12 +188,26 @@ def _start_launching_process(tmp_path: Path) -> tuple[subprocess.Popen, list[int
     return parent, pids
 
 
+def _stuck(parent: subprocess.Popen) -> str:
+    """Every thread's stack of a launching process that does not end, and its process tree."""
+    tree = "\n".join(f"  {p.pid} {p.status()} {' '.join(p.cmdline())[:120]}"
+                     for p in psutil.Process(parent.pid).children(recursive=True))
+    parent.send_signal(signal.SIGUSR1)
+    time.sleep(2)
+    os.killpg(parent.pid, signal.SIGKILL)
+    out, _ = parent.communicate()
+    return out.decode(errors="replace")[-6000:] + "\nits processes:\n" + tree
+
+
 def test_interrupted_launch_leaves_no_process_and_says_so_in_one_line(tmp_path):
     """Ctrl-C / interrupting a notebook cell: KeyboardInterrupt in the launching process."""
     parent, pids = _start_launching_process(tmp_path)
     try:
         parent.send_signal(signal.SIGINT)
-        out, _ = parent.communicate(timeout=60)
+        try:
+            out, _ = parent.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the interrupted launch did not end within 60 s; where it was:\n" + _stuck(parent))
         text = out.decode(errors="replace")
         assert parent.returncode != 0
         assert "stopped: 2 rank(s) killed, no process left" in text, text
