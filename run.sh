@@ -143,9 +143,11 @@ case "$cmd" in
     # waiting); each test file (and each notebook) stays whole on one of them (tests/conftest.py
     # groups them), so a file's launch runs once. The public exercise tests run through
     # ./run.sh check in the student-journey test instead; the hidden ones run here, on the
-    # instructor's solutions (the student edition has none).
+    # instructor's solutions (the student edition has none). --no-loadscope-reorder keeps the
+    # order tests/conftest.py gives the files (longest first); xdist would put the files with
+    # the most tests first, and so the minutes-long single tests last.
     "$PY" -m pytest tests notebooks --nbmake --nbmake-timeout=600 \
-      -n "${TEST_WORKERS:-3}" --dist loadgroup \
+      -n "${TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder \
       --ignore=tests/public --durations=30 "$@" || status=$?
     if [[ $status -eq 5 ]]; then echo "run.sh: pytest found no tests" >&2; fi
     exit $status

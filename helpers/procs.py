@@ -39,6 +39,13 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+
+
 def kill_processes(procs: Iterable[psutil.Process], sig: int = signal.SIGKILL) -> None:
     """Signal each process (and the process group it leads), skipping ones already gone or reused."""
     for proc in procs:

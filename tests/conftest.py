@@ -22,6 +22,7 @@ ValueError: ..."), so each test reports the cause instead of one fixture ERROR. 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Iterable, Iterator, Mapping
 
 import pytest
@@ -79,8 +80,10 @@ def launch_ranks(script: str | os.PathLike, *args: Any, nproc: int = 2,
         if message:
             return Ranks(None, Unsolved(message))
     try:
+        # Ranks forked from torchrun: no torch import per rank (helpers/launch.py); a restarting
+        # launch (torchrun_args) keeps torchrun's default.
         result = launch(script, *map(str, args), nproc=nproc, timeout=timeout, env=env, stream=False,
-                        torchrun_args=list(torchrun_args))
+                        torchrun_args=list(torchrun_args), fork_ranks=not torchrun_args)
     except LaunchError as err:
         if err.rank is not None:
             summary = f"rank {err.rank} raised {err.summary}"
@@ -108,8 +111,18 @@ def pytest_collection_modifyitems(config, items) -> None:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     # Longest first, so no long test starts last and runs alone at the end: the student journey
-    # (check, submit, grade: minutes), then the notebooks of both editions, then the rest.
-    def rank(item) -> int:
-        group = item.get_closest_marker("xdist_group").args[0]
-        return 0 if group == "student-homework" else 1 if ".ipynb" in item.nodeid else 2
-    items.sort(key=rank)
+    # (check, submit, grade: minutes), then the notebooks of both editions (later notebooks run
+    # more and bigger launches), then the files with the most tests. run.sh passes
+    # --no-loadscope-reorder so that xdist hands the files out in this order.
+    groups = [item.get_closest_marker("xdist_group").args[0] for item in items]
+    sizes = {group: groups.count(group) for group in set(groups)}
+
+    def rank(pair) -> tuple:
+        item, group = pair
+        notebook = re.search(r"(\d\d)_\w+\.ipynb", item.nodeid)
+        if group == "student-homework":
+            return (0,)
+        if notebook:
+            return (1, -int(notebook.group(1)))
+        return (2, -sizes[group], group)
+    items[:] = [item for item, _ in sorted(zip(items, groups), key=rank)]
