@@ -160,7 +160,7 @@ def test_launcher_timeout_kills_every_rank(tmp_path):
     assert_all_gone(pids)
 
 
-def _start_launching_process(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+def _start_launching_process(tmp_path: Path, fork_ranks: bool = False) -> tuple[subprocess.Popen, list[int]]:
     """A python process that launches 2 sleeping ranks (like a notebook kernel running a launch
     cell); returns it once both ranks are running, with the ranks' pids."""
     pid_dir = tmp_path / "pids"
@@ -172,7 +172,7 @@ def _start_launching_process(tmp_path: Path) -> tuple[subprocess.Popen, list[int
             "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"  # a stuck launcher: _stuck
             "from helpers.launch import launch\n"
             "launch('tests/scripts/hang_rank.py', '--all', nproc=2, timeout=300, stream=False,\n"
-            f"       env={{'HANG_PID_DIR': {str(pid_dir)!r}}})\n")
+            f"       env={{'HANG_PID_DIR': {str(pid_dir)!r}}}, fork_ranks={fork_ranks})\n")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -199,9 +199,11 @@ def _stuck(parent: subprocess.Popen) -> str:
     return out.decode(errors="replace")[-6000:] + "\nits processes:\n" + tree
 
 
-def test_interrupted_launch_leaves_no_process_and_says_so_in_one_line(tmp_path):
-    """Ctrl-C / interrupting a notebook cell: KeyboardInterrupt in the launching process."""
-    parent, pids = _start_launching_process(tmp_path)
+@pytest.mark.parametrize("fork_ranks", [False, True], ids=["fresh ranks", "forked ranks"])
+def test_interrupted_launch_leaves_no_process_and_says_so_in_one_line(tmp_path, fork_ranks):
+    """Ctrl-C / interrupting a notebook cell: KeyboardInterrupt in the launching process. Ranks
+    forked from torchrun (the tests' launches) are found and killed the same way."""
+    parent, pids = _start_launching_process(tmp_path, fork_ranks)
     try:
         parent.send_signal(signal.SIGINT)
         try:
