@@ -22,8 +22,10 @@ sessions of their own, so they are left running. Here:
 --start-method fork`, Linux only) instead of as fresh `python -u script` processes, so no rank
 imports torch again: about 1.8 CPU-s less per rank, most of a small launch's cost. The script, its
 ranks and what they report are the same; what differs is torchrun's own failure summary (the
-multiprocessing form, "ProcessRaisedException"), so the lessons about torchrun's reports, and
-restarts, use the default.
+multiprocessing form, whose "Root Cause" may name a rank that only saw its peer go), so what
+students run, the lessons about torchrun's reports, and restarts use the default. Left unset,
+`fork_ranks` follows COURSE_FORK_RANKS=1 (`./run.sh test` sets it for the notebooks whose launches
+only compute: tests/conftest.py), except for a launch that restarts.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from helpers.dist import FINISHED, RESULTS_ENV, gpu_count
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_KEPT_OUTPUT = 2_000_000  # characters of output kept in LaunchResult (a flood is truncated)
+FORK_RANKS_ENV = "COURSE_FORK_RANKS"  # "1": launches fork their ranks unless told otherwise
 # torchrun's label for each output line; ${rank} is the global rank (${local_rank} repeats per node)
 LINE_PREFIX_TEMPLATE = "[rank${rank}]:"
 
@@ -141,7 +144,7 @@ def launch(
     node_rank: int = 0,
     master_addr: str | None = None,
     master_port: int | None = None,
-    fork_ranks: bool = False,
+    fork_ranks: bool | None = None,
 ) -> LaunchResult:
     """Run `script args` on `nproc` ranks; return what they printed and reported.
 
@@ -152,13 +155,16 @@ def launch(
     nproc = default_nproc() if nproc is None else parse_nproc(nproc)
     if nnodes < 1:
         raise LaunchError(f"NNODES must be >= 1, got {nnodes}")
+    restarts = any(a.startswith(("--max-restarts", "--max_restarts")) for a in torchrun_args)
+    if fork_ranks is None:
+        fork_ranks = os.environ.get(FORK_RANKS_ENV) == "1" and not restarts
     with tempfile.TemporaryDirectory(prefix="course-launch-") as tmp:
         results_dir = Path(tmp) / "results"
         results_dir.mkdir()
         cmd = torchrun_command(path, [str(a) for a in args], nproc, Path(tmp) / "logs", nnodes,
                                node_rank, master_addr, master_port, torchrun_args, fork_ranks)
         child_env = _child_env(results_dir, nproc, env)
-        if any(a.startswith(("--max-restarts", "--max_restarts")) for a in torchrun_args):
+        if restarts:
             # Restarted gloo workers cannot reuse the agent's store in torch 2.13
             # (pytorch/pytorch#135712): give every attempt a fresh one.
             child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

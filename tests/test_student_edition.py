@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from helpers.exercise import EDITION_STAMP, NOTICE_CLASS, stub_messages
+from tests.conftest import notebook_launches
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p.name for p in (REPO_ROOT / "notebooks").glob("*.ipynb"))
@@ -89,7 +90,8 @@ def test_student_notebook_runs_through_with_notices(edition, name, monkeypatch):
 
     for key, value in _env(edition).items():
         monkeypatch.setenv(key, value)
-    result = NotebookRun(edition / "notebooks" / name, default_timeout=600).execute()
+    with notebook_launches(name):
+        result = NotebookRun(edition / "notebooks" / name, default_timeout=600).execute()
     assert result.error is None, (
         f"{name} stops in the student edition at cell {result.error.failing_cell_index}: "
         f"{result.error.summary}\n{result.error.trace[-3000:]}")
