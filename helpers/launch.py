@@ -24,8 +24,8 @@ imports torch again: about 1.8 CPU-s less per rank, most of a small launch's cos
 ranks and what they report are the same; what differs is torchrun's own failure summary (the
 multiprocessing form, whose "Root Cause" may name a rank that only saw its peer go), so what
 students run, the lessons about torchrun's reports, and restarts use the default. Left unset,
-`fork_ranks` follows COURSE_FORK_RANKS=1 (`./run.sh test` sets it for the notebooks whose launches
-only compute: tests/conftest.py), except for a launch that restarts.
+`fork_ranks` follows COURSE_FORK_RANKS=1 (the tests set it while they run notebooks 00-09:
+tests/conftest.py), except for a launch that restarts.
 """
 from __future__ import annotations
 

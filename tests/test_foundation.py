@@ -100,7 +100,8 @@ def test_two_launches_at_once_both_succeed():
 
     def one():
         try:
-            results.append(launch("labs/lab00_orientation.py", nproc=2, timeout=120, stream=False))
+            results.append(launch("labs/lab00_orientation.py", nproc=2, timeout=120, stream=False,
+                                  fork_ranks=True))  # the ports are the point, not how ranks start
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -257,7 +258,8 @@ def free_port() -> int:
 
 def test_two_nodes_on_localhost_match_one_node():
     port = str(free_port())
-    common = dict(NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    common = dict(NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                  COURSE_FORK_RANKS="1")  # forked ranks: a torch import less per node
     nodes = [subprocess.Popen([str(RUN_SH), "00"], cwd=REPO_ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env=dict(os.environ, COURSE_PYTHON=sys.executable, NODE_RANK=str(i),
