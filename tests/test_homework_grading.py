@@ -132,7 +132,8 @@ class RunningMean:
 '''
 DETACH = '''
 import os, sys, time
-if os.fork() == 0:  # a double fork, a new session, exec with an empty environment
+_middle = os.fork()
+if _middle == 0:  # a double fork, a new session, exec with an empty environment
     os.setsid()
     if os.fork() == 0:
         os.execve(sys.executable, [sys.executable, "-c",
@@ -140,13 +141,14 @@ if os.fork() == 0:  # a double fork, a new session, exec with an empty environme
                   "    try:\\n        open(sys.argv[1], 'a').write('DETACHED\\\\n')\\n"
                   "    except OSError:\\n        pass\\n    time.sleep(0.1)", {csv!r}, {tag!r}], {{}})
     os._exit(0)
+os.waitpid(_middle, 0)  # the grandchild is an orphan from here on
 for _ in range(50):  # fifty sleepers
     if os.fork() == 0:
         try:
             os.execv("/bin/sh", ["sh", "-c", "sleep 120; :", {tag!r}])
         finally:
             os._exit(0)
-time.sleep(1.0)
+time.sleep(3.0)  # the grader looks 4 times a second and flags an orphan seen twice: even on a busy machine
 '''
 KILL_PARENT = '''
 import os, signal
