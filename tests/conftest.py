@@ -25,6 +25,7 @@ import contextlib
 import os
 import re
 from typing import Any, Iterable, Iterator, Mapping
+from unittest import mock
 
 import pytest
 
@@ -104,23 +105,12 @@ def _as_error(summary: str, err) -> BaseException:
     return unsolved or RankFailure(f"{summary} (launch of {err.result.script if err.result else '?'})")
 
 
-@contextlib.contextmanager
-def notebook_launches(name: str) -> Iterator[None]:
-    """Run notebook `name` ("03_ddp.ipynb") with its launches forking their ranks, if it may."""
+def notebook_launches(name: str) -> contextlib.AbstractContextManager:
+    """Run notebook `name` ("03_ddp.ipynb") with its launches forking their ranks, if it may (the
+    kernel inherits the environment)."""
     from helpers.launch import FORK_RANKS_ENV
 
-    if name[:2] not in FORKED_NOTEBOOKS:
-        yield
-        return
-    before = os.environ.get(FORK_RANKS_ENV)
-    os.environ[FORK_RANKS_ENV] = "1"  # the kernel nbmake starts inherits it
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(FORK_RANKS_ENV, None)
-        else:
-            os.environ[FORK_RANKS_ENV] = before
+    return mock.patch.dict(os.environ, {FORK_RANKS_ENV: "1"} if name[:2] in FORKED_NOTEBOOKS else {})
 
 
 class _NotebookItems:
