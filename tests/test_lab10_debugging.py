@@ -122,7 +122,7 @@ def runs():
 def lab10_diagnose_launch():
     from helpers.launch import launch
     return launch("labs/lab10_diagnose.py", "--lessons", nproc=2, timeout=240, stream=False,
-                  env={"LAB10_SEED": "4"})
+                  env={"LAB10_SEED": "4"}, fork_ranks=True)  # what the jobs log, not torchrun's report
 
 
 def get(runs, name):
