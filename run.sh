@@ -120,12 +120,12 @@ find_python() {
 install_notebook_filter() {
   git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1 || return 0
   "$PY" -c 'import nbstripout' 2>/dev/null || return 0
-  local clean="\"$PY\" -m nbstripout --keep-id"
+  local clean="\"$PY\" -m helpers.lean_imports nbstripout --keep-id"  # 0.5 s a notebook, not 2.4
   [[ "$(git -C "$ROOT" config --get filter.nbstripout.clean 2>/dev/null)" == "$clean" ]] && return 0
   git -C "$ROOT" config filter.nbstripout.clean "$clean"
   git -C "$ROOT" config filter.nbstripout.smudge cat
   git -C "$ROOT" config filter.nbstripout.extrakeys "metadata.widgets"
-  git -C "$ROOT" config diff.ipynb.textconv "\"$PY\" -m nbstripout -t --keep-id"
+  git -C "$ROOT" config diff.ipynb.textconv "\"$PY\" -m helpers.lean_imports nbstripout -t --keep-id"
   echo "run.sh: installed the nbstripout git filter: notebook outputs are stripped when you commit"
 }
 
@@ -151,7 +151,7 @@ case "$cmd" in
     # instructor's solutions (the student edition has none). --no-loadscope-reorder keeps the
     # order tests/conftest.py gives the files (longest first); xdist would put the files with
     # the most tests first, and so the minutes-long single tests last.
-    "$PY" -m pytest tests notebooks --nbmake --nbmake-timeout=600 \
+    "$PY" -m pytest -p helpers.lean_imports tests notebooks --nbmake --nbmake-timeout=600 \
       -n "${TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder \
       --ignore=tests/public --durations=30 "$@" || status=$?
     if [[ $status -eq 5 ]]; then echo "run.sh: pytest found no tests" >&2; fi
