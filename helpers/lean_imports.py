@@ -4,7 +4,7 @@ jsonschema, which nbformat uses to validate notebooks, checks the "iri" string f
 rfc3987_syntax when that is installed (jupyter_events pulls it in), and rfc3987_syntax builds a
 grammar when imported: 1.6 CPU-s in every process that opens a notebook, e.g. the nbstripout git
 filter, once per notebook that a git command looks at (the first `git status` of a fresh clone
-took 25 s). No notebook schema uses those formats, so these processes go without it: jsonschema
+took about 20 s). No notebook schema uses those formats, so these processes go without it: jsonschema
 skips that checker, as it does when the package is missing.
 
     python -m helpers.lean_imports nbstripout --keep-id   # run a module as `python -m` would
