@@ -114,21 +114,73 @@ find_python() {
   PY="$ROOT/.venv/bin/python"
 }
 
-# Notebook outputs never reach a commit: JupyterLab saves them into the working files, and git's
-# nbstripout filter (configured here, in this checkout only; .gitattributes names it) strips them,
-# and the widget state, when a notebook is added. --keep-id keeps the committed cell ids.
+# Opening, running and saving a notebook changes nothing git sees: JupyterLab saves outputs, widget
+# state and the kernel's metadata (its display name, the Python version) into the working files,
+# and git's filter (configured here, in this checkout only; .gitattributes names it) strips the
+# outputs and widget state (nbstripout) and puts the metadata back as committed
+# (helpers/notebook_filter.py). Checkouts with an older filter get this one on the next run.
 install_notebook_filter() {
   git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1 || return 0
   "$PY" -c 'import nbstripout' 2>/dev/null || return 0
-  local clean="\"$PY\" -m helpers.lean_imports nbstripout --keep-id"  # 0.5 s a notebook, not 2.4
-  [[ "$(git -C "$ROOT" config --get filter.nbstripout.clean 2>/dev/null)" == "$clean" ]] && return 0
-  git -C "$ROOT" config filter.nbstripout.clean "$clean"
+  local filter="\"$PY\" -m helpers.notebook_filter"  # 0.5 s a notebook
+  [[ "$(git -C "$ROOT" config --get filter.nbstripout.clean 2>/dev/null)" == "$filter" && \
+     "$(git -C "$ROOT" config --get diff.ipynb.textconv 2>/dev/null)" == "$filter" ]] && return 0
+  git -C "$ROOT" config filter.nbstripout.clean "$filter"
   git -C "$ROOT" config filter.nbstripout.smudge cat
   git -C "$ROOT" config filter.nbstripout.extrakeys "metadata.widgets"
-  git -C "$ROOT" config diff.ipynb.textconv "\"$PY\" -m helpers.lean_imports nbstripout -t --keep-id"
-  echo "run.sh: installed the nbstripout git filter: notebook outputs are stripped when you commit"
+  git -C "$ROOT" config diff.ipynb.textconv "$filter"
+  echo "run.sh: installed the nbstripout git filter: notebook outputs, and the metadata JupyterLab rewrites, never show as changes"
 }
 
+# The grading tests (instructor edition: tests/test_homework_grading.py) sandbox submissions with
+# bubblewrap, one OS package: `./run.sh test` installs it where it can (as root, with apt-get or
+# dnf), quietly but for one line, and otherwise stops before any test with the command to run.
+GRADING_TESTS="tests/test_homework_grading.py"
+INSTALL_BWRAP="sudo apt-get install bubblewrap (Debian, Ubuntu) or sudo dnf install bubblewrap (Fedora)"
+ensure_bubblewrap() {
+  [[ -f "$GRADING_TESTS" ]] || return 0  # the student edition has no grading tests
+  command -v bwrap >/dev/null 2>&1 && return 0
+  local manager="" log
+  if [[ "$(id -u)" == "0" ]]; then
+    if command -v apt-get >/dev/null 2>&1; then manager=apt-get
+    elif command -v dnf >/dev/null 2>&1; then manager=dnf
+    fi
+  fi
+  if [[ -z "$manager" && "$(id -u)" != "0" ]]; then
+    die "the grading tests need bubblewrap (bwrap), which is missing; installing it needs root: run $INSTALL_BWRAP, then ./run.sh test again"
+  elif [[ -z "$manager" ]]; then
+    die "the grading tests need bubblewrap (bwrap), which is missing, and neither apt-get nor dnf is here to install it: install the OS package bubblewrap (e.g. $INSTALL_BWRAP), then ./run.sh test again"
+  fi
+  echo "run.sh: installing bubblewrap with $manager (the grading tests sandbox submissions with it)"
+  log="$(mktemp)"
+  if [[ "$manager" == apt-get ]]; then
+    # the package lists may be missing or stale (fresh containers): update them if the first try fails
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap \
+      || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap; }; } >"$log" 2>&1 || true
+  else
+    dnf install -y -q bubblewrap >"$log" 2>&1 || true
+  fi
+  if ! command -v bwrap >/dev/null 2>&1; then
+    tail -n 5 "$log" >&2
+    rm -f "$log"
+    die "installing bubblewrap with $manager failed ($manager's last lines above): run $INSTALL_BWRAP, then ./run.sh test again"
+  fi
+  rm -f "$log"
+}
+
+# bwrap is there, but can it make a sandbox? (Unprivileged user namespaces may be turned off.)
+check_sandbox() {
+  [[ -f "$GRADING_TESTS" ]] || return 0
+  local why
+  why="$("$PY" -c 'import sys
+from helpers.homework.sandbox import SandboxUnavailable, probe
+try:
+    probe()
+except SandboxUnavailable as exc:
+    sys.exit(str(exc))' 2>&1)" || die "the grading tests cannot make a sandbox on this machine: ${why##*$'\n'} (run the tests as root, or as a user who may create user namespaces)"
+}
+
+if [[ "$cmd" == test ]]; then ensure_bubblewrap; fi
 find_python
 install_notebook_filter
 export COURSE_PYTHON="$PY"
@@ -141,6 +193,7 @@ case "$cmd" in
   *.py) shift; exec "$PY" -m helpers.cli script "$cmd" "$@" ;;
   test)
     shift
+    check_sandbox
     export COURSE_SMOKE="${COURSE_SMOKE:-1}"
     export MPLBACKEND=Agg
     status=0

@@ -57,14 +57,18 @@ class LaunchError(RuntimeError):
     """A launch that failed, timed out or was given bad input; the message says which rank and why.
 
     `rank` is the rank that failed first (None when no rank recorded an error) and `summary` the
-    last line of its traceback ("ValueError: ..."), or why the launch failed without one."""
+    last line of its traceback ("ValueError: ..."), or why the launch failed without one, followed
+    by where in the labs it was raised (" at labs/lab04_ring.py:171 `chunks[recv].add_(x)`") when
+    a frame of the traceback lies in labs/. `frames` holds those frames, innermost last, one line
+    each ("labs/lab04_ring.py:171 in ring_all_reduce: `chunks[recv].add_(x)`")."""
 
     def __init__(self, message: str, result: "LaunchResult | None" = None, rank: int | None = None,
-                 summary: str = ""):
+                 summary: str = "", frames: Sequence[str] = ()):
         super().__init__(message)
         self.result = result
         self.rank = rank
         self.summary = summary or message.splitlines()[0]
+        self.frames = list(frames)
 
 
 @dataclass
@@ -190,16 +194,72 @@ def launch(
               file=sys.stderr, flush=True)
         return result
     if check and (returncode != 0 or reason):
-        rank, summary = _first_error(errors, reason)
-        raise LaunchError(_failure_message(result, reason, errors), result, rank, summary)
+        rank, summary, frames = _first_error(errors, reason)
+        raise LaunchError(_failure_message(result, reason, errors), result, rank, summary, frames)
     return result
 
 
-def _first_error(errors: list[tuple[float, int, str]], reason: str) -> tuple[int | None, str]:
+def _first_error(errors: list[tuple[float, int, str]], reason: str
+                 ) -> tuple[int | None, str, list[str]]:
+    """(the rank that failed first, its exception's last line + where in labs/, its labs/ frames)."""
     if not errors:
-        return None, reason
+        return None, reason, []
     _, rank, text = errors[0]
-    return rank, text.strip().splitlines()[-1]
+    return rank, _raised(text), lab_frames(text)
+
+
+# `  File "/path/labs/lab04_ring.py", line 171, in ring_all_reduce` (traceback.format_exception)
+_FRAME_LINE = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+LAB_FOLDER = "labs"  # the student's files: where a rank's error is located for them
+CODE_CHARS = 80      # code quoted from a frame, at most
+
+
+def lab_frames(traceback_text: str, root: Path = REPO_ROOT) -> list[str]:
+    """The frames of a formatted traceback that lie in the labs (the student's files), innermost
+    last, one line each: "labs/lab04_ring.py:171 in ring_all_reduce: `chunks[recv].add_(x)`".
+    From the exception raised (the last of a chain); if none of its frames is in labs/, from the
+    exception it was raised while handling, and so on."""
+    return [f"{path}:{line} in {func}" + (f": `{code}`" if code else "")
+            for path, line, func, code in _lab_frames(traceback_text, root)]
+
+
+def _lab_frames(text: str, root: Path = REPO_ROOT) -> list[tuple[str, str, str, str]]:
+    """lab_frames as (path relative to root, line, function, code)."""
+    root = root.resolve()
+    blocks: list[list[tuple[str, str, str, str]]] = []
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last):"):
+            blocks.append([])
+            continue
+        match = _FRAME_LINE.match(line)
+        if not match or not blocks:
+            continue
+        try:
+            path = (root / match["file"]).resolve().relative_to(root)  # an absolute file stays
+        except (ValueError, OSError):
+            continue
+        if path.parts[0] != LAB_FOLDER or path.suffix != ".py":
+            continue
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        code = following.strip() if following.startswith("    ") else ""  # none: no source
+        if set(code) <= set("^~ "):  # only the markers under an expression
+            code = ""
+        if len(code) > CODE_CHARS:
+            code = code[: CODE_CHARS - 3] + "..."
+        blocks[-1].append((path.as_posix(), match["line"], match["func"], code))
+    return next((block for block in reversed(blocks) if block), [])
+
+
+def _raised(text: str) -> str:
+    """The exception's line, with where in the labs it was raised when it was (not for a stub:
+    its message names its file already)."""
+    last = text.strip().splitlines()[-1]
+    frames = _lab_frames(text)
+    if not frames or "NotImplementedError: Exercise " in last:
+        return last
+    path, line, _, code = frames[-1]
+    return f"{last} at {path}:{line}" + (f" `{code}`" if code else "")
 
 
 def _teardown_abort(result: LaunchResult, errors: list) -> bool:
@@ -261,8 +321,9 @@ def _run_streaming(cmd: list[str], env: dict[str, str], timeout: float, stream: 
         left = procs.alive(ranks)
         message = (f"stopped: {len(ranks)} rank(s) killed, no process left" if not left else
                    f"stopped, but {len(left)} process(es) could not be killed: {[p.pid for p in left]}")
-        print(message, file=sys.stderr, flush=True)
-        raise KeyboardInterrupt(message) from None  # one line, not the launcher's internals
+        if not _ipython_running():  # IPython shows the exception itself as this one line
+            print(message, file=sys.stderr, flush=True)
+        raise _one_line_interrupt(message) from None
     except BaseException:  # e.g. pytest-timeout's Failed raised in this thread: leave nothing behind
         procs.stop(proc)
         raise
@@ -270,6 +331,22 @@ def _run_streaming(cmd: list[str], env: dict[str, str], timeout: float, stream: 
     if kept_chars >= MAX_KEPT_OUTPUT:
         kept.append("\n[... output truncated ...]\n")
     return proc.returncode, "".join(kept), reason
+
+
+def _one_line_interrupt(message: str) -> KeyboardInterrupt:
+    """The KeyboardInterrupt an interrupted launch raises, which IPython (a notebook's kernel, the
+    ipython shell) shows as one line, "KeyboardInterrupt: stopped: ...", not as a traceback through
+    the launcher's internals: IPython draws what an exception's `_render_traceback_()` returns in
+    place of its traceback. Plain Python prints its usual traceback."""
+    interrupt = KeyboardInterrupt(message)
+    line = f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {message}"  # the name in red, as IPython draws it
+    interrupt._render_traceback_ = lambda: [line]
+    return interrupt
+
+
+def _ipython_running() -> bool:
+    ipython = sys.modules.get("IPython")  # never imported here: a terminal does not pay for it
+    return ipython is not None and ipython.get_ipython() is not None
 
 
 def _ranks_of(proc) -> list:
@@ -311,8 +388,7 @@ def _failure_message(result: LaunchResult, reason: str, errors: list[tuple[float
     head += f" after {result.seconds:.1f} s"
     if errors:
         _, rank, text = errors[0]  # the first rank to fail is the cause; the others followed it
-        last = text.strip().splitlines()[-1]
         tail = "\n".join(text.strip().splitlines()[-25:])
-        return f"{head}: rank {rank} raised {last}\n--- rank {rank} traceback (end) ---\n{tail}"
+        return f"{head}: rank {rank} raised {_raised(text)}\n--- rank {rank} traceback (end) ---\n{tail}"
     tail = "\n".join(result.output.strip().splitlines()[-25:])
     return f"{head}.\n--- last output ---\n{tail}"

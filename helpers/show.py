@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 from typing import Any, Callable, Iterable, Sequence
 
 
@@ -24,10 +25,53 @@ def _fmt(value: Any, floatfmt: str) -> str:
 
 def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None,
                  floatfmt: str = ".3g") -> str:
-    """Rows of dicts as an aligned plain-text (and valid Markdown) table."""
+    """Rows of dicts as an aligned plain-text table, for terminals and logs.
+
+    The text is shown as it is: a `|` inside a name or value is not escaped, so it is Markdown only
+    when no cell holds one; `markdown_table` gives the Markdown."""
+    columns, cells = _cells(rows, columns, floatfmt)
+    return _aligned(columns, cells)
+
+
+# Characters that end or reshape a Markdown table cell: `|` splits cells (GFM); `*`, `_`, `~` and
+# backticks format; `<`, `>`, `&` are HTML; `[`, `]` make links; `\` escapes; `$` starts LaTeX in
+# JupyterLab, which pairs dollars in the Markdown source (before the table is parsed, so a pair
+# would swallow the `|` between cells) and again in the rendered page (MathJax). Each is written as
+# a numeric character reference, which CommonMark reads as that literal character and nothing else.
+_MARKDOWN_SPECIAL = re.compile(r"[\\|`*_~$<>&\[\]]")
+# MathJax (JupyterLab's typesetter) leaves the inside of an element of this class alone
+NO_MATH_CLASS = "mathjax_ignore"
+
+
+def markdown_cell(text: str) -> str:
+    """`text` as the content of one Markdown table cell that renders as exactly that text: the
+    characters Markdown would read as syntax are written as character references, and a line
+    break becomes `<br>` (a newline would end the row). Inside a `markdown_table`, where MathJax
+    does not look, `$` is text too."""
+    return "<br>".join(_MARKDOWN_SPECIAL.sub(lambda m: f"&#{ord(m.group())};", text).splitlines())
+
+
+def markdown_table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None,
+                   floatfmt: str = ".3g", title: str | None = None) -> str:
+    """Rows of dicts as a Markdown (GFM) table whose cells render exactly as their text, whatever
+    characters it holds (the column "max |param - 1 process|", a "$" in a value): cells escaped by
+    `markdown_cell`, the table inside a `<div>` that JupyterLab's LaTeX typesetter skips."""
+    columns, cells = _cells(rows, columns, floatfmt)
+    text = _aligned([markdown_cell(c) for c in columns],
+                    [[markdown_cell(v) for v in row] for row in cells])
+    if title:
+        text = f"**{markdown_cell(title)}**\n\n{text}"
+    return f'<div class="{NO_MATH_CLASS}">\n\n{text}\n\n</div>'
+
+
+def _cells(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None,
+           floatfmt: str) -> tuple[list[str], list[list[str]]]:
     rows = list(rows)
-    columns = list(columns or (rows[0].keys() if rows else []))
-    cells = [[_fmt(row.get(c, ""), floatfmt) for c in columns] for row in rows]
+    keys = list(columns or (rows[0].keys() if rows else []))
+    return [str(k) for k in keys], [[_fmt(row.get(k, ""), floatfmt) for k in keys] for row in rows]
+
+
+def _aligned(columns: list[str], cells: list[list[str]]) -> str:
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
     out = [line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
@@ -37,18 +81,20 @@ def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None =
 
 def table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None,
           title: str | None = None, floatfmt: str = ".3g") -> None:
-    """Show a table: rendered Markdown in a notebook, aligned text in a terminal.
+    """Show a table: rendered Markdown in a notebook (with the aligned text as its plain-text
+    form), aligned text in a terminal.
 
     Returns nothing, so a notebook cell ending in table(...) does not echo the text again; use
-    format_table() for the text itself."""
+    format_table() for the text itself, markdown_table() for its Markdown."""
+    rows = list(rows)
     text = format_table(rows, columns, floatfmt)
-    if title:
-        text = f"**{title}**\n\n{text}" if in_notebook() else f"{title}\n{text}"
-    if in_notebook():
-        from IPython.display import Markdown, display
-        display(Markdown(text))
-    else:
-        print(text, flush=True)
+    if not in_notebook():
+        print(f"{title}\n{text}" if title else text, flush=True)
+        return
+    from IPython.display import display
+
+    display({"text/markdown": markdown_table(rows, columns, floatfmt, title),
+             "text/plain": f"{title}\n{text}" if title else text}, raw=True)
 
 
 def bar_chart(labels: Sequence[str], values: Sequence[float], *, title: str, ylabel: str,
@@ -94,6 +140,30 @@ def html_text(text: str) -> str:
     return f"<pre>{html.escape(text)}</pre>"
 
 
+# ipywidgets 8 puts this class on every widget view whose model has no live kernel behind it: a
+# notebook reopened from its saved widget state, or after the kernel restarted (the front end then
+# draws a broken-link icon before each control, and moving one does nothing).
+DISCONNECTED_CLASS = "jupyter-widgets-disconnected"
+OFFLINE_NOTE_CLASS = "course-widgets-offline"
+OFFLINE_NOTE = ("These controls are a picture saved with the notebook: no running kernel is behind "
+                "them, so moving them does nothing. Run this cell to use the controls.")
+
+
+def offline_note() -> Any:
+    """A `widgets.HTML` to show above a group of controls that says "run this cell to use the
+    controls" only where no kernel is behind them.
+
+    Its text is in the saved widget state, so a reopened notebook shows it; its stylesheet hides
+    it unless the front end has marked the view disconnected, so a live cell shows nothing."""
+    import ipywidgets as widgets
+
+    note, gone = OFFLINE_NOTE_CLASS, DISCONNECTED_CLASS
+    return widgets.HTML(
+        f"<style>.{note} {{display: none}} .{gone} .{note} {{display: block; color: #8a6d00; "
+        f"background: #fff8e1; border-left: 6px solid #e0a800; padding: 4px 10px}}</style>"
+        f'<div class="{note}">{html.escape(OFFLINE_NOTE)}</div>')
+
+
 def explorer(controls: Sequence[Any], render: Callable[[], str | Sequence[str]], *,
              button: Any = None) -> Any:
     """Show `controls` (ipywidgets) above a panel that `render()` fills with HTML, and redraw the
@@ -101,7 +171,8 @@ def explorer(controls: Sequence[Any], render: Callable[[], str | Sequence[str]],
 
     The panel is a `widgets.HTML` whose value is replaced: no output is captured into an
     `Output` widget while a cell runs, which can stall notebook execution (nbclient issue #312),
-    and the saved widget state shows the last view when the notebook is reopened. `render` returns
+    and the saved widget state shows the last view when the notebook is reopened, under a note
+    (`offline_note`) that says to run the cell to use the controls again. `render` returns
     HTML (`html_table`, `html_figure`, `html_text`); an unsolved exercise shows its notice in the
     panel (in the student edition), and any other error of the first drawing fails the cell."""
     import ipywidgets as widgets
@@ -128,6 +199,6 @@ def explorer(controls: Sequence[Any], render: Callable[[], str | Sequence[str]],
         button.on_click(update)
     update()  # the first view, drawn while the cell runs; errors here fail the cell
     rows = [widgets.HBox(list(controls[i:i + 3])) for i in range(0, len(controls), 3)]
-    box = widgets.VBox([*rows, panel])
+    box = widgets.VBox([offline_note(), *rows, panel])
     display(box)
     return box

@@ -46,10 +46,11 @@ class Ranks(Mapping[int, dict]):
     """What each rank reported ({rank: report}), or the reason there is nothing to read."""
 
     def __init__(self, reports: dict[int, dict] | None, error: BaseException | None = None,
-                 output: str = ""):
+                 output: str = "", partial: dict[int, dict] | None = None):
         self._reports = reports or {}
         self._error = error
         self.output = output
+        self.partial = partial or {}  # what the ranks had reported when a failed launch ended
 
     def _check(self) -> None:
         if isinstance(self._error, Unsolved):
@@ -95,14 +96,27 @@ def launch_ranks(script: str | os.PathLike, *args: Any, nproc: int = 2,
             summary = f"rank {err.rank} raised {err.summary}"
         else:
             summary = err.summary
-        return Ranks(None, _as_error(summary, err), err.result.output if err.result else "")
+        return Ranks(None, _as_error(summary, err), err.result.output if err.result else "",
+                     partial=err.result.results if err.result else None)
     return Ranks(result.results, None, result.output)
 
 
+SHOWN_FRAMES = 4  # the innermost frames of a rank's traceback in the labs, shown under its error
+
+
 def _as_error(summary: str, err) -> BaseException:
+    """The stub's Unsolved, or a RankFailure whose first line names the rank, its exception and
+    where in the labs it was raised, followed by the last frames of its traceback in the labs."""
     unsolved = Unsolved(summary.split("NotImplementedError: ", 1)[1]) \
         if "NotImplementedError: Exercise " in summary else None
-    return unsolved or RankFailure(f"{summary} (launch of {err.result.script if err.result else '?'})")
+    if unsolved:
+        return unsolved
+    message = f"{summary} (launch of {err.result.script if err.result else '?'})"
+    frames = getattr(err, "frames", [])[-SHOWN_FRAMES:]
+    if frames:
+        message += (f"\nrank {err.rank}'s traceback in the labs (innermost last):\n"
+                    + "\n".join(f"  {frame}" for frame in frames))
+    return RankFailure(message)
 
 
 def notebook_launches(name: str) -> contextlib.AbstractContextManager:

@@ -131,6 +131,57 @@ def test_crashed_rank_ends_run_fast_with_its_message():
     assert info.value.result.returncode != 0
 
 
+def test_a_ranks_error_is_located_in_the_labs():
+    """A rank's error names the innermost frame in labs/ (the student's files) with its code, and
+    the tests' RankFailure lists its last frames there: from the exception raised, else from the
+    one it was handling; never for a stub (its message names its file) or outside labs/."""
+    from helpers.exercise import Unsolved
+    from helpers.launch import _first_error, lab_frames
+    from tests.conftest import RankFailure, _as_error
+
+    lab = REPO_ROOT / "labs" / "lab04_ring.py"
+    text = f"""Traceback (most recent call last):
+  File "{lab}", line 10, in helper
+    x = parts[3]
+        ~~~~~^^^
+KeyError: 3
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "{REPO_ROOT}/tests/public/test_lab04_collectives.py", line 60, in <module>
+    ring_all_reduce(x)
+  File "labs/lab04_ring.py", line 160, in ring_all_reduce
+    step(chunks, recv)
+  File "{lab}", line 171, in step
+    chunks[recv].add_(incoming)
+    ~~~~~~^^^^^^
+  File "<string>", line 3, in f
+  File "/usr/lib/python3/site-packages/torch/x.py", line 5, in add_
+    return 1
+IndexError: tuple index out of range
+"""
+    rank, summary, frames = _first_error([(1.0, 2, text)], "")
+    assert rank == 2 and summary == ("IndexError: tuple index out of range at "
+                                     "labs/lab04_ring.py:171 `chunks[recv].add_(incoming)`"), summary
+    assert frames == ["labs/lab04_ring.py:160 in ring_all_reduce: `step(chunks, recv)`",
+                      "labs/lab04_ring.py:171 in step: `chunks[recv].add_(incoming)`"], frames
+    handled = text.split("During handling")[0] + "Traceback (most recent call last):\n" \
+        f'  File "{REPO_ROOT}/tests/x.py", line 1, in <module>\nValueError: wrapped\n'
+    assert lab_frames(handled) == ["labs/lab04_ring.py:10 in helper: `x = parts[3]`"]
+    assert _first_error([(1.0, 0, text.replace("labs/", "tests/"))], "")[1:] == \
+        ("IndexError: tuple index out of range", []), "nothing outside labs/ is located"
+    stub = text.replace("IndexError: tuple index out of range",
+                        "NotImplementedError: Exercise ring_all_reduce (notebook 04): ...")
+    assert _first_error([(1.0, 0, stub)], "")[1] == stub.splitlines()[-1]
+    error = LaunchError("launch failed", None, 2, summary, frames)
+    failure = _as_error(f"rank 2 raised {summary}", error)
+    assert isinstance(failure, RankFailure) and str(failure).splitlines() == [
+        f"rank 2 raised {summary} (launch of ?)", "rank 2's traceback in the labs (innermost last):",
+        f"  {frames[0]}", f"  {frames[1]}"], str(failure)
+    assert isinstance(_as_error(f"rank 0 raised {stub.splitlines()[-1]}", error), Unsolved)
+
+
 def test_rank_that_never_joins_times_out_and_leaves_nothing():
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
@@ -307,6 +358,86 @@ def test_run_sh_without_python_says_so(tmp_path):
     assert "Python 3.10 or newer is needed" in proc.stderr, proc.stderr
 
 
+BASH = shutil.which("bash")
+FAKE_PYTHON = f"""#!{BASH}
+echo "$*" >> "$FAKE_LOG.python"
+if [[ "$1" == -c && -n "$FAKE_NO_SANDBOX" ]]; then
+  echo "Traceback (most recent call last):"; echo "bubblewrap could not make a working sandbox here: $FAKE_NO_SANDBOX"; exit 1
+fi
+exit 0
+"""
+FAKE_APT = f"""#!{BASH}
+echo "$*" >> "$FAKE_LOG.apt"
+echo "Reading package lists... APT-NOISE"
+[[ -n "$FAKE_APT_FAILS" ]] && {{ echo "E: Unable to locate package bubblewrap"; exit 100; }}
+if [[ "$1" == install ]]; then printf '#!{BASH}\\nexit 0\\n' > "$FAKE_BIN/bwrap"; chmod +x "$FAKE_BIN/bwrap"; fi
+exit 0
+"""
+
+
+@pytest.mark.parametrize("case", ["installs", "present", "not-root", "no-package-manager",
+                                  "install-fails", "no-sandbox", "student-edition"])
+def test_run_sh_test_sets_up_bubblewrap_or_stops_in_one_line(tmp_path, case):
+    """`./run.sh test` does its own set-up, as `./run.sh` does for the venv: the grading tests
+    need bubblewrap, which it installs quietly (one line) where it can, as root with apt-get, and
+    never when bwrap is there; where it cannot, or where bwrap makes no sandbox, it stops before
+    any test with one line saying what to run. Tools are fakes on a PATH that hides the real ones."""
+    root = tmp_path / "course"
+    (root / "labs").mkdir(parents=True)
+    (root / "tests").mkdir()
+    shutil.copy(RUN_SH, root / "run.sh")
+    shutil.copy(REPO_ROOT / "requirements.txt", root / "requirements.txt")
+    if case != "student-edition":  # the student edition ships no grading tests
+        (root / "tests" / "test_homework_grading.py").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "cat", "cksum", "mktemp", "tail", "rm", "chmod"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    uid = "1000" if case in ("not-root", "student-edition") else "0"
+    (bin_dir / "id").write_text(f"#!{BASH}\necho {uid}\n")
+    if case != "no-package-manager":
+        (bin_dir / "apt-get").write_text(FAKE_APT)
+    if case in ("present", "no-sandbox"):
+        (bin_dir / "bwrap").write_text(f"#!{BASH}\nexit 0\n")
+    python = tmp_path / "python"
+    python.write_text(FAKE_PYTHON)
+    for path in [python, *bin_dir.iterdir()]:
+        path.chmod(0o755)
+    log = tmp_path / "log"
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "COURSE_PYTHON": str(python),
+           "FAKE_LOG": str(log), "FAKE_BIN": str(bin_dir),
+           "FAKE_APT_FAILS": "1" if case == "install-fails" else "",
+           "FAKE_NO_SANDBOX": "setting up uid map: Permission denied" if case == "no-sandbox" else ""}
+    proc = subprocess.run([BASH, str(root / "run.sh"), "test"], cwd=root, capture_output=True,
+                          text=True, env=env, timeout=60)
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    apt_calls = Path(f"{log}.apt").read_text().splitlines() if Path(f"{log}.apt").exists() else []
+    python_calls = Path(f"{log}.python").read_text() if Path(f"{log}.python").exists() else ""
+    ran_tests = "-m pytest" in python_calls
+    if case in ("installs", "present", "student-edition"):
+        assert proc.returncode == 0 and ran_tests, (proc.returncode, said, python_calls)
+    else:
+        assert proc.returncode == 2 and not ran_tests, f"the tests must not start: {said}"
+        assert said and said[-1].startswith("run.sh: "), said
+    if case == "installs":
+        assert said == ["run.sh: installing bubblewrap with apt-get (the grading tests sandbox "
+                        "submissions with it)"], f"one line, and apt-get's own output hidden: {said}"
+        assert apt_calls == ["install -y -q bubblewrap"], apt_calls
+    elif case in ("present", "student-edition"):
+        assert said == [] and apt_calls == [], (said, apt_calls)
+    elif case in ("not-root", "no-package-manager"):
+        assert len(said) == 1 and apt_calls == [], said
+        assert "sudo apt-get install bubblewrap" in said[0] and "./run.sh test again" in said[0], said
+    elif case == "install-fails":
+        assert apt_calls == ["install -y -q bubblewrap", "update -q"], apt_calls
+        assert "installing bubblewrap with apt-get failed" in said[-1], said
+        assert "E: Unable to locate package bubblewrap" in said, "apt-get's reason is shown"
+    elif case == "no-sandbox":
+        assert len(said) == 1 and apt_calls == [], said
+        assert "cannot make a sandbox on this machine: bubblewrap could not make a working " \
+               "sandbox here: setting up uid map: Permission denied" in said[0], said
+
+
 def test_run_sh_help_lists_commands():
     proc = run_sh("--help", timeout=30)
     assert proc.returncode == 0
@@ -410,32 +541,5 @@ def test_saved_outputs_never_reach_a_commit_or_block_an_update(tmp_path):
         "outputs would be committed"
 
 
-def test_jupyterlab_starts_as_root_and_saves_widget_state(tmp_path):
-    port = free_port()
-    env = dict(os.environ, COURSE_PYTHON=sys.executable, JUPYTER_RUNTIME_DIR=str(tmp_path),
-               JUPYTER_CONFIG_DIR=str(tmp_path / "config"), HOME=str(tmp_path))
-    proc = subprocess.Popen([str(RUN_SH), "jupyter", "--no-browser", f"--port={port}",
-                             "--IdentityProvider.token=course-test"], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        import urllib.request
-        url = (f"http://127.0.0.1:{port}/lab/api/settings/"
-               "@jupyter-widgets/jupyterlab-manager:plugin?token=course-test")
-        deadline = time.monotonic() + 90
-        settings = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                settings = json.loads(urllib.request.urlopen(url, timeout=5).read())
-                break
-            except OSError:
-                time.sleep(0.5)
-        assert settings is not None, "JupyterLab did not start"
-        schema = settings["schema"]["properties"]["saveState"]
-        assert settings["settings"].get("saveState", schema["default"]) is True, \
-            "widget state is not saved with notebooks: reopened notebooks would show 'model not found'"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out = proc.communicate(timeout=30)[0]
-    if os.getuid() == 0:
-        assert "--allow-root" in out, out[-2000:]
+# JupyterLab itself (started as root, saving widget state, saves that change nothing for git,
+# interrupts, tables, widgets without a kernel): tests/test_jupyterlab.py, one server for all.

@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -174,17 +175,112 @@ def test_check_fails_on_the_student_edition_and_passes_on_the_instructors(course
 
 
 def test_check_reports_a_wrong_answer_as_failed_with_its_message(tmp_path):
+    """A wrong answer fails with the test's message; an exception raised in the lab says where
+    in the lab (file, line, code)."""
     root = make_course(tmp_path)
     lab = root / "labs" / "lab90_fixture.py"
-    lab.write_text(lab.read_text().replace("self.count += 1\n", "self.count += 2\n"))
+    lab.write_text(lab.read_text().replace("self.count += 1\n", "self.count += 2\n").replace(
+        "    return summed\n", "    return [summed[i + 1] for i in range(len(a))]  # off by one\n"))
+    bug = 1 + lab.read_text().splitlines().index("    return [summed[i + 1] for i in range(len(a))]  # off by one")
     lines: list[str] = []
     results, status = run_check(root, "90", timeout=60, log=lines.append)
     by_name = {r.exercise: r for r in results}
-    assert status == 1 and by_name["add_vectors"].status == "passed"
-    assert by_name["RunningMean.push"].status == "failed"
+    assert status == 1 and by_name["RunningMean.push"].status == "failed"
     assert "the mean of 2 and 4 should be 3.0" in by_name["RunningMean.push"].message
+    assert by_name["RunningMean.push"].message.endswith("should be 3.0"), \
+        "no location for a failed assertion of the test itself"
+    assert by_name["add_vectors"].message == (
+        "IndexError: list index out of range at labs/lab90_fixture.py:"
+        f"{bug} `return [summed[i + 1] for i in range(len(a))]  # off by one`"), by_name["add_vectors"]
     # the interpreter actually in use (this one is outside the course: its absolute path)
     assert f"Debug with: {sys.executable} -m pytest tests/public/test_lab90_fixture.py -x" in lines
+
+
+def test_debug_with_names_a_file_that_really_failed(tmp_path):
+    """`Debug with:` names the file of a test that failed, not the first file whose tests only met
+    an exercise's stub (the lab 03 case: the classifier's stubs before BucketedDDP's failures)."""
+    from helpers.homework.release import transform
+
+    root = make_course(tmp_path)
+    lab = root / "labs" / "lab90_fixture.py"
+    lab.write_bytes(transform(root, "labs/lab90_fixture.py").data)  # both exercises: stubs
+    (root / "tests" / "public" / "test_lab90_zz_more.py").write_text(
+        "import pytest\n\n@pytest.mark.exercise('more')\n"
+        "def test_more():\n    assert 1 == 2, 'a real failure'\n")
+    lines: list[str] = []
+    results, status = run_check(root, "90", timeout=60, log=lines.append)
+    assert status == 1 and [r.status for r in results] == ["not_implemented", "not_implemented",
+                                                           "failed"], results
+    debug = [line for line in lines if line.startswith("Debug with:")]
+    assert debug == [f"Debug with: {sys.executable} -m pytest tests/public/test_lab90_zz_more.py -x"], \
+        f"the file that failed, not the first one with stubs: {debug}"
+    # only stubs: the first file that did not pass
+    (root / "tests" / "public" / "test_lab90_zz_more.py").unlink()
+    lines.clear()
+    run_check(root, "90", timeout=60, log=lines.append)
+    assert f"Debug with: {sys.executable} -m pytest tests/public/test_lab90_fixture.py -x" in lines
+
+
+BUGGY_RANK_SUM = '''
+import torch
+import torch.distributed as dist
+
+
+def pick(parts, rank):
+    return parts[rank]  # BUG: one part, two ranks
+
+
+def rank_sum(value, group=None):
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return pick([value], dist.get_rank())
+'''
+RANKS_TEST = '''
+import pytest
+
+from tests.conftest import launch_ranks
+
+
+@pytest.mark.exercise("rank_sum")
+def test_rank_sum_on_two_ranks():
+    ranks = launch_ranks(__file__, "rank-sum", nproc=2, timeout=120)
+    assert [r["total"] for r in ranks.values()] == [3.0, 3.0], "1 + 2 on every rank"
+
+
+if __name__ == "__main__":
+    import torch
+
+    from helpers.dist import distributed
+    from labs.lab91_fixture import rank_sum
+
+    with distributed() as ctx:
+        ctx.report(total=rank_sum(torch.tensor([ctx.rank + 1.0])).item())
+'''
+
+
+def test_check_shows_where_in_the_lab_a_rank_raised(tmp_path):
+    """A rank's exception is located in the student's file: `check`'s line gives the innermost
+    frame in labs/ (file, line, code), its log the rank's last frames in labs/, innermost last."""
+    root = make_course(tmp_path, labs=("91",))
+    shutil.copy(REPO / "tests" / "conftest.py", root / "tests" / "conftest.py")  # launch_ranks
+    (root / "tests" / "public" / "test_lab91_fixture.py").write_text(RANKS_TEST)
+    lab = root / "labs" / "lab91_fixture.py"
+    lab.write_text(BUGGY_RANK_SUM)
+    source = BUGGY_RANK_SUM.splitlines()
+    bug = 1 + next(i for i, line in enumerate(source) if "BUG" in line)
+    call = 1 + next(i for i, line in enumerate(source) if "return pick(" in line)
+    lines: list[str] = []
+    results, status = run_check(root, "91", timeout=120, log=lines.append)
+    assert status == 1 and [r.status for r in results] == ["failed"], results
+    where = (f"rank 1 raised IndexError: list index out of range at labs/lab91_fixture.py:{bug} "
+             "`return parts[rank]  # BUG: one part, two ranks`")
+    shown = next(line for line in lines if line.startswith("rank_sum "))
+    assert shown.startswith(f"rank_sum  failed: {where} (launch of "), \
+        f"check's line must say which rank raised what, where in the lab: {shown}"
+    log = (root / "runs" / "homework" / "check-91.log").read_text()
+    assert ("rank 1's traceback in the labs (innermost last):\n"
+            f"E             labs/lab91_fixture.py:{call} in rank_sum: `return pick([value], dist.get_rank())`\n"
+            f"E             labs/lab91_fixture.py:{bug} in pick: `return parts[rank]  # BUG: one part, two ranks`"
+            ) in log, log[-3000:]
 
 
 CRASHING = '''
@@ -379,6 +475,28 @@ def test_release_of_this_repository_stubs_every_block_and_leaks_nothing(tmp_path
         assert marker_lines(text) == [], f"marker left in {rel}"
     assert not any(rel.startswith(("tests/hidden/", "tests/homework_fixtures/")) for rel in shipped)
     assert "tests/test_homework.py" not in shipped
+
+
+def graded_tests_without_a_docstring(folders=("tests/public", "tests/hidden")) -> list[str]:
+    """`file:line name` of every `def test*` in the graded test files without a docstring (read
+    from the source, without importing it)."""
+    missing = []
+    for folder in folders:
+        for path in sorted((REPO / folder).glob("test_*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                        node.name.startswith("test"):
+                    if not (ast.get_docstring(node) or "").strip():
+                        missing.append(f"{folder}/{path.name}:{node.lineno} {node.name}")
+    return missing
+
+
+def test_every_graded_test_has_a_docstring():
+    """Grading feedback and `check` show a test's docstring's first line as what it checks: every
+    graded test (tests/public, tests/hidden) has one."""
+    missing = graded_tests_without_a_docstring()
+    assert not missing, (f"{len(missing)} graded test(s) without a docstring (its first line is "
+                         "what grading feedback shows):\n" + "\n".join(missing))
 
 
 def test_check_reports_a_lab_that_does_not_import(tmp_path):

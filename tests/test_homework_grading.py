@@ -6,8 +6,9 @@ Each attack is a small payload in a real submission archive of the synthetic cou
 with unmodified submissions before and after it; each test asserts the attack's expected outcome:
 the score is what the unmodified code gets, other students are unaffected, nothing is written
 outside the sandbox's scratch, no process is left, the run completes, feedback holds no hidden
-source, and the attempt is flagged. These tests need bubblewrap (`.ci/run` installs it): without
-it they fail with that message; they never skip. Instructor only: listed in .instructor-only.
+source, and the attempt is flagged. These tests need bubblewrap (`./run.sh test` installs it
+where it can): without it they fail with that message; they never skip. Instructor only: listed
+in .instructor-only.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ HIDDEN = "tests/hidden/test_lab90_fixture.py"
 def sandbox_available():
     if shutil.which("bwrap") is None:
         pytest.fail(f"grading needs bubblewrap and this machine has none: {INSTALL_HINT}. "
-                    "(.ci/run installs it in CI.)", pytrace=False)
+                    "(./run.sh test installs it where it can, or says how.)", pytrace=False)
     try:
         probe(LIMITS)
     except SandboxUnavailable as exc:

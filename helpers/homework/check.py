@@ -22,6 +22,9 @@ from pathlib import Path
 from helpers.homework.runner import DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, run_tests
 
 RESULTS_FILE = "runs/homework/check-all.json"
+# how pytest names the error of a test whose launch failed (tests/conftest.py); its message says
+# the rest ("rank 1 raised ValueError: ... at labs/...")
+RANK_FAILURE = "tests.conftest.RankFailure: "
 
 STATUS_TEXT = {"passed": "passed", "failed": "failed", "not_implemented": "not implemented yet",
                "not_run": "not run"}
@@ -111,21 +114,35 @@ def run_check(root: Path, lab: str | None = None, timeout: float = DEFAULT_TIMEO
     log(f"{'exercise':<{width}}  status")
     for result in results:
         text = STATUS_TEXT[result.status]
-        detail = _stub_text(result.message) if result.status == "not_implemented" else result.message
+        detail = _stub_text(result.message) if result.status == "not_implemented" else \
+            result.message.removeprefix(RANK_FAILURE)
         log(f"{result.exercise:<{width}}  {text}" + (f": {detail}" if detail else ""))
     counts = {k: sum(r.status == k for r in results) for k in STATUS_TEXT}
     summary = ", ".join(f"{n} {STATUS_TEXT[k]}" for k, n in counts.items() if n)
     log(f"\n{len(results)} exercise(s): {summary} ({time.monotonic() - start:.0f} s). "
         f"Full output: {log_path.relative_to(root)}")
-    failing = [t["test"].split("::")[0] for r in results if r.status != "passed" for t in r.tests
-               if t["outcome"] not in ("passed", "skipped")]
-    if failing:
-        log(f"Debug with: {debug_command(root, failing[0], lab)}")
+    file = debug_file(results)
+    if file:
+        log(f"Debug with: {debug_command(root, file, lab)}")
     ok = all(o.passed or o.outcome == "skipped" for o in outcomes.values())
     status = 0 if ok and outcomes else 1
     if lab is None and not any(o.outcome == "not_run" for o in outcomes.values()):
         save_results(root, results, status)
     return results, status
+
+
+FAILURES = ("failed", "error", "timeout", "crashed", "load_error")  # outcomes worth debugging
+
+
+def debug_file(results: list[ExerciseResult]) -> str | None:
+    """The test file to debug: that of the first test that really failed (not one that only met
+    an exercise's stub, nor one that was not run), else of the first test that did not pass."""
+    tests = [t for r in results if r.status != "passed" for t in r.tests]
+    for wanted in (FAILURES, ("not_implemented", "not_run")):
+        for test in tests:
+            if test["outcome"] in wanted:
+                return test["test"].split("::")[0]
+    return None
 
 
 def debug_command(root: Path, test_file: str, lab: str | None) -> str:

@@ -10,13 +10,16 @@ only what the course's markers mean:
 - each failed report gets a `("homework", category)` user property, one word from a fixed
   vocabulary: `not_implemented` (an exercise's stub raised, directly or in a rank: decided by
   helpers.exercise.unsolved_message), `timeout` (pytest-timeout stopped it), `assertion` or
-  `error`; with ("homework_stub", the stub's message) for a stub.
+  `error`; with ("homework_stub", the stub's message) for a stub, and ("homework_where",
+  "labs/lab01_gil_threads.py:40 `code`") when the exception was raised inside the labs (the
+  innermost frame there), which `check` adds to the failure's one-line message.
 
 Stdlib only (and pytest): loading it must not import torch.
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +28,9 @@ from helpers.exercise import unsolved_message
 COLLECTION_OPTION = "--homework-collection"
 CATEGORY_KEY = "homework"
 STUB_KEY = "homework_stub"
+WHERE_KEY = "homework_where"
+LAB_FOLDER = "labs"
+CODE_CHARS = 80
 CATEGORIES = ("not_implemented", "timeout", "assertion", "error")
 
 
@@ -74,6 +80,29 @@ def category(excinfo) -> tuple[str, str]:
     return ("assertion" if isinstance(excinfo.value, AssertionError) else "error"), ""
 
 
+def lab_location(excinfo, root: Path) -> str:
+    """Where in the labs an exception was raised: the innermost frame of its traceback in
+    root/labs/ ("labs/lab01_gil_threads.py:40 `return pool.map(fn, items)`"), or ""."""
+    if excinfo is None:
+        return ""
+    root = root.resolve()
+    for entry in reversed(excinfo.traceback):
+        try:
+            path = Path(str(entry.path)).resolve().relative_to(root)
+        except (ValueError, OSError):
+            continue
+        if path.parts[0] != LAB_FOLDER or path.suffix != ".py":
+            continue
+        try:
+            code = str(entry.statement).strip().splitlines()[0].strip()
+        except Exception:  # no source to show
+            code = ""
+        if len(code) > CODE_CHARS:
+            code = code[: CODE_CHARS - 3] + "..."
+        return f"{path.as_posix()}:{entry.lineno + 1}" + (f" `{code}`" if code else "")
+    return ""
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -83,3 +112,7 @@ def pytest_runtest_makereport(item, call):
         report.user_properties.append((CATEGORY_KEY, kind))
         if stub:
             report.user_properties.append((STUB_KEY, stub))
+        else:
+            where = lab_location(call.excinfo, item.config.rootpath)
+            if where:
+                report.user_properties.append((WHERE_KEY, where))

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers import procs
-from helpers.homework.plugin import CATEGORIES, CATEGORY_KEY, COLLECTION_OPTION, STUB_KEY
+from helpers.homework.plugin import CATEGORIES, CATEGORY_KEY, COLLECTION_OPTION, STUB_KEY, WHERE_KEY
 
 DEFAULT_TIMEOUT_S = 120.0
 OUTPUT_KEEP_BYTES = 64_000          # head and tail of each pytest process's output kept for logs
@@ -223,6 +223,7 @@ def _summary(report: dict) -> dict:
     return {"outcome": report.get("outcome"), "xfail": "wasxfail" in report,
             "category": category if category in CATEGORIES else "error",
             "stub": props.get(STUB_KEY, "")[:MESSAGE_CHARS], "message": _message(report),
+            "where": props.get(WHERE_KEY, "")[:MESSAGE_CHARS // 2],
             "duration": float(report.get("duration") or 0) if isinstance(report.get("duration"), (int, float)) else 0.0}
 
 
@@ -238,6 +239,10 @@ def test_outcome(nodeid: str, phases: dict[str, dict]) -> Outcome:
             message = phase["stub"] or phase["message"]
             if kind == "not_implemented" and not message.startswith("NotImplementedError"):
                 message = f"NotImplementedError: {message}"
+            elif phase.get("where") and phase["where"] not in message:  # raised in the labs
+                tail = f" at {phase['where']}"
+                room = MESSAGE_CHARS - len(tail)
+                message = (message if len(message) <= room else message[: room - 3] + "...") + tail
             return Outcome(nodeid, {"assertion": "failed"}.get(kind, kind),
                            message if when == "call" else f"in {when}: {message}", seconds)
         if phase["outcome"] == "skipped" and not phase["xfail"]:

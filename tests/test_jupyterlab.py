@@ -1,0 +1,416 @@
+"""What a student sees in JupyterLab: tables, an interrupted launch, widgets with no kernel behind
+them, and a notebook that was only opened, run and saved.
+
+One JupyterLab server, started by `./run.sh jupyter` in a scratch git checkout (this checkout's
+run.sh, helpers and one committed notebook), and one kernel it started for that notebook serve the
+tests that need them. No browser: the tests speak JupyterLab's REST API and the kernel's messaging
+protocol as its front end does, and read the front end's own code where a rule lives there (which
+class marks a widget whose kernel is gone, which class MathJax skips). What these tests read was
+checked against what Chromium shows, by hand.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import show
+from helpers.launch import REPO_ROOT
+
+NOTEBOOK = "notebooks/00_orientation.ipynb"
+TOKEN = "course-test"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+# The column names of notebooks 03 and 09 (issue 25: one jumbled line of pipes in JupyterLab)
+PIPE_ROWS = [{"scheme": "ddp", "max |param - 1 process|": 0.0, "max |grad - one process|": 1e-7},
+             {"scheme": "a|b", "max |param - 1 process|": 2e-7, "max |grad - one process|": 0.0}]
+# ... and every other character Markdown, GFM tables and JupyterLab's LaTeX read as syntax
+TRICKY_ROWS = [
+    {"scheme": "a|b", "max |param - 1 process|": 1e-7, "cost": "$5 and $6",
+     "note": "line 1\nline 2"},
+    {"scheme": "*not* _italic_", "max |param - 1 process|": 0.0, "cost": "$",
+     "note": r"\(x\) \[y\]"},
+    {"scheme": "`code` ~~s~~", "max |param - 1 process|": "&amp; <b>", "cost": "$a$ | $b$",
+     "note": r"[link](x) a\|b \begin{x}"},
+]
+
+
+# ---- tables -------------------------------------------------------------------------------------
+
+class _Cells(HTMLParser):
+    """The text of every <th>/<td> of rendered HTML, by row (<br> read as a newline)."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.rows: list[list[str]] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("th", "td"):
+            self._cell = []
+        elif tag == "br" and self._cell is not None:
+            self._cell.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in ("th", "td") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell).strip())
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def _rendered_cells(markdown: str) -> list[list[str]]:
+    import mistune  # nbconvert's Markdown parser (GFM tables), installed with JupyterLab
+
+    parser = _Cells()
+    parser.feed(mistune.create_markdown(plugins=["table"], escape=False)(markdown))
+    return parser.rows
+
+
+def _expected_cells(rows) -> list[list[str]]:
+    columns = list(rows[0])
+    return [columns] + [[show._fmt(row[c], ".3g") for c in columns] for row in rows]
+
+
+@pytest.mark.parametrize("rows", [PIPE_ROWS, TRICKY_ROWS], ids=["pipes", "every special"])
+def test_markdown_table_shows_every_cell_as_written(rows):
+    """A table whose names or values hold |, $, *, _, <, \\ or a line break renders with its columns
+    and its text as written (a | inside a name must not split the row into more columns)."""
+    markdown = show.markdown_table(rows)
+    cells = _rendered_cells(markdown)
+    expected = _expected_cells(rows)
+    assert cells, ("the Markdown does not render as a table at all (a line break or an unescaped | "
+                   f"in a cell breaks it):\n{markdown}")
+    assert [len(r) for r in cells] == [len(r) for r in expected], (
+        "a | (or another character) in a cell split or merged the table's columns: rows rendered "
+        f"with {[len(r) for r in cells]} cells, expected {[len(r) for r in expected]}\n{markdown}")
+    for got, want in zip(cells, expected):
+        assert got == want, f"cells render as {got}, not as written: {want}\n{markdown}"
+
+
+def test_markdown_table_keeps_latex_out():
+    """JupyterLab typesets $...$ and \\( \\) as LaTeX: dollars or backslashes in a table's cells
+    must not turn into mathematics (in the Markdown source, or in the rendered page)."""
+    markdown = show.markdown_table(TRICKY_ROWS, title="cost in $")
+    # JupyterLab pairs `$` (and reads `\(`, `\[`, `\begin`) in the Markdown source before the
+    # table is parsed: a pair across two cells would swallow the | between them.
+    assert "$" not in markdown and "\\" not in markdown, \
+        f"the Markdown source holds $ or \\, which JupyterLab reads as LaTeX:\n{markdown}"
+    # ... and MathJax typesets the rendered page, except inside the class it ignores
+    assert markdown.startswith(f'<div class="{show.NO_MATH_CLASS}">\n\n') and \
+        markdown.endswith("\n\n</div>"), f"the table is not inside the no-LaTeX <div>:\n{markdown}"
+    from jupyterlab.commands import get_app_dir
+
+    skipped = re.compile(rf"ignoreHtmlClass\s*:\s*[\"']{show.NO_MATH_CLASS}[\"']")
+    assert skipped.search(_front_end_code(Path(get_app_dir()) / "static")), \
+        f"this JupyterLab's MathJax no longer skips the class {show.NO_MATH_CLASS!r}"
+
+
+def _front_end_code(folder: Path) -> str:
+    """The JavaScript of an installed JupyterLab front end (or extension) folder."""
+    code = "".join(p.read_text(errors="replace") for p in sorted(folder.glob("*.js")))
+    assert code, f"no JupyterLab front-end code in {folder}"
+    return code
+
+
+# ---- the JupyterLab server and its kernel -------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _git(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    identity = ["-c", "user.email=student@course", "-c", "user.name=student"]
+    return subprocess.run(["git", *identity, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _committed(rel: str) -> str:
+    """A file as committed here (the git index), or as on disk outside a git checkout."""
+    shown = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f":{rel}"], capture_output=True,
+                           text=True, timeout=60)
+    return shown.stdout if shown.returncode == 0 else (REPO_ROOT / rel).read_text()
+
+
+class Lab:
+    """A JupyterLab server in a scratch checkout; a client of the kernel it runs for NOTEBOOK."""
+
+    def __init__(self, root: Path, runtime: Path):
+        self.root, self.runtime = root, runtime
+        self.log = runtime / "jupyterlab.log"
+        self.port = _free_port()
+        self.server: subprocess.Popen | None = None
+        self.kernel_id = ""
+        self.session_id = ""
+        self.client = None
+
+    def api(self, method: str, path: str, body: dict | None = None, timeout: float = 60) -> dict:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            data = reply.read()
+        return json.loads(data) if data else {}
+
+    def start(self) -> None:
+        env = dict(os.environ, COURSE_PYTHON=sys.executable, JUPYTER_RUNTIME_DIR=str(self.runtime),
+                   JUPYTER_CONFIG_DIR=str(self.runtime / "config"), HOME=str(self.runtime))
+        with open(self.log, "w") as log:  # the server's output: read it any time
+            self.server = subprocess.Popen(
+                ["bash", "run.sh", "jupyter", "--no-browser", f"--port={self.port}",
+                 f"--IdentityProvider.token={TOKEN}"], cwd=self.root, env=env,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                self.api("GET", "/api/status", timeout=5)
+                break
+            except OSError:
+                if self.server.poll() is not None or time.monotonic() > deadline:
+                    output = self.stop()[-3000:]
+                    raise RuntimeError(f"JupyterLab did not start:\n{output}") from None
+                time.sleep(0.5)
+        # what JupyterLab's front end does when it opens a notebook: a session with its kernel
+        kernel = json.loads(_committed(NOTEBOOK))["metadata"]["kernelspec"]["name"]
+        session = self.api("POST", "/api/sessions", {"path": NOTEBOOK, "type": "notebook",
+                                                      "name": Path(NOTEBOOK).name,
+                                                      "kernel": {"name": kernel}}, timeout=120)
+        self.session_id, self.kernel_id = session["id"], session["kernel"]["id"]
+        from jupyter_client import BlockingKernelClient
+
+        connection = self.runtime / f"kernel-{self.kernel_id}.json"
+        self.client = BlockingKernelClient(connection_file=str(connection))
+        self.client.load_connection_file()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=120)
+        # the notebooks put the repository root first on the path; this checkout's helpers
+        self.run(f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r})")
+
+    def run(self, code: str, timeout: float = 240, during=None) -> list[dict]:
+        """Execute `code` in the kernel; every iopub message of that execution (`during(msgs)`
+        is called while waiting, e.g. to interrupt it)."""
+        msg_id = self.client.execute(code)
+        messages: list[dict] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if during is not None:
+                during(messages)
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.5)
+            except Exception:  # queue.Empty: nothing yet
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            messages.append(msg)
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                return messages
+        raise TimeoutError(f"the cell did not finish within {timeout:.0f} s:\n{code}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self) -> str:
+        """Stop the kernel and the server; the server's output."""
+        if self.client is not None:
+            self.client.stop_channels()
+        if self.session_id and self.server is not None and self.server.poll() is None:
+            try:  # shuts its kernel down, as closing the notebook does
+                self.api("DELETE", f"/api/sessions/{self.session_id}", timeout=30)
+            except OSError:
+                pass
+        if self.server is not None and self.server.poll() is None:
+            os.killpg(self.server.pid, signal.SIGTERM)
+            try:
+                self.server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.server.pid, signal.SIGKILL)
+                self.server.wait()
+        return self.output()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab (./run.sh jupyter) in a scratch git checkout of run.sh, helpers/ and one notebook
+    as committed; the notebook's kernel is running."""
+    base = tmp_path_factory.mktemp("jupyterlab")
+    root, runtime = base / "course", base / "runtime"
+    root.mkdir()
+    runtime.mkdir()
+    for name in ("run.sh", "requirements.txt", ".gitattributes", ".gitignore"):
+        shutil.copy(REPO_ROOT / name, root / name)
+    for folder in ("helpers", ".jupyter"):
+        shutil.copytree(REPO_ROOT / folder, root / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    (root / NOTEBOOK).parent.mkdir()
+    (root / NOTEBOOK).write_text(_committed(NOTEBOOK))
+    assert _git("init", "-q", cwd=root).returncode == 0
+    _git("add", "-A", cwd=root)
+    assert _git("commit", "-qm", "course", cwd=root).returncode == 0
+    server = Lab(root, runtime)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_jupyterlab_starts_as_root_and_saves_widget_state(lab):
+    """./run.sh jupyter starts JupyterLab as root too (containers), and JupyterLab saves widget
+    state with notebooks (a reopened notebook shows its widgets instead of "model not found")."""
+    if os.getuid() == 0:
+        assert "--allow-root" in lab.output(), lab.output()[-2000:]
+    settings = lab.api("GET", "/lab/api/settings/@jupyter-widgets/jupyterlab-manager:plugin")
+    default = settings["schema"]["properties"]["saveState"]["default"]
+    assert settings["settings"].get("saveState", default) is True, \
+        "widget state is not saved with notebooks: reopened notebooks would show 'model not found'"
+
+
+def test_table_in_a_notebook_is_escaped_markdown_over_plain_text(lab):
+    """show.table in a notebook shows the escaped Markdown table, with the aligned text as its
+    plain-text form (what a terminal prints)."""
+    code = (f"from helpers.show import table\nrows = {TRICKY_ROWS!r}\n"
+            "table(rows, title='max |diff|')")
+    messages = lab.run(code)
+    shown = [m["content"]["data"] for m in messages if m["msg_type"] == "display_data"]
+    assert len(shown) == 1, f"expected one table: {[m['content'] for m in messages]}"
+    assert shown[0]["text/markdown"] == show.markdown_table(TRICKY_ROWS, title="max |diff|")
+    assert shown[0]["text/plain"] == "max |diff|\n" + show.format_table(TRICKY_ROWS)
+
+
+def test_interrupted_launch_shows_one_line_and_leaves_no_rank(lab, tmp_path):
+    """Interrupting a cell that runs a 2-rank launch (JupyterLab's stop button) shows one line,
+    "KeyboardInterrupt: stopped: 2 rank(s) killed, no process left", and every rank is gone."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    code = ("from helpers.launch import launch\n"
+            f"launch({str(REPO_ROOT / 'tests/scripts/hang_rank.py')!r}, '--all', nproc=2, "
+            f"timeout=300, stream=False, env={{'HANG_PID_DIR': {str(pid_dir)!r}}})\n")
+    pids: list[int] = []
+
+    def interrupt_once_running(_messages) -> None:
+        if pids:
+            return
+        found = [int(p.read_text()) for p in pid_dir.glob("*.pid") if p.read_text()]
+        if len(found) == 2:
+            pids.extend(found)
+            lab.api("POST", f"/api/kernels/{lab.kernel_id}/interrupt")  # the stop button
+
+    messages = lab.run(code, timeout=280, during=interrupt_once_running)
+    assert pids, "the ranks never started"
+    errors = [m["content"] for m in messages if m["msg_type"] == "error"]
+    streams = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
+    assert len(errors) == 1, f"the interrupted cell raised {len(errors)} errors: {errors}"
+    shown = [ANSI.sub("", line) for entry in errors[0]["traceback"] for line in entry.splitlines()]
+    assert shown == ["KeyboardInterrupt: stopped: 2 rank(s) killed, no process left"], (
+        f"the interrupted cell shows {len(shown)} line(s) of error instead of one line saying what "
+        "became of the ranks:\n" + "\n".join(shown))
+    assert not streams.strip(), f"the interrupted cell also printed:\n{streams}"
+    deadline = time.monotonic() + 15
+    alive = _alive(pids)
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = _alive(alive)
+    assert not alive, f"ranks left running after the interrupt: {alive}"
+    after = [m["content"] for m in lab.run("print(6 * 7)") if m["msg_type"] == "stream"]
+    assert after and after[0]["text"] == "42\n", "the kernel does not run cells after the interrupt"
+
+
+def _alive(pids: list[int]) -> list[int]:
+    left = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def _widget_states(messages: list[dict]) -> dict[str, dict]:
+    return {m["content"]["comm_id"]: m["content"]["data"]["state"] for m in messages
+            if m["msg_type"] == "comm_open"
+            and m["content"].get("target_name") == "jupyter.widget"}
+
+
+def test_explorer_says_to_run_the_cell_when_no_kernel_is_behind_it(lab):
+    """An explorer's saved widget state carries "run this cell to use the controls", shown only
+    where the front end marks the controls disconnected (reopened notebook, restarted kernel)."""
+    code = ("import ipywidgets as widgets\nfrom helpers.show import explorer, html_text\n"
+            "n = widgets.IntSlider(value=3, min=1, max=9, description='n')\n"
+            "box = explorer([n], lambda: html_text(f'n squared = {n.value ** 2}'))")
+    messages = lab.run(code)
+    states = _widget_states(messages)  # what the front end keeps, and saves with the notebook
+    views = [m["content"]["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+             for m in messages if m["msg_type"] == "display_data"]
+    assert len(views) == 1, f"expected one widget view: {messages}"
+    children = [ref.removeprefix("IPY_MODEL_") for ref in states[views[0]]["children"]]
+    notes = [states[c] for c in children
+             if "run this cell to use the controls" in states[c].get("value", "").lower()]
+    assert len(notes) == 1, ("the explorer's saved state has no note saying to run the cell to use "
+                             "the controls: reopened, its controls would do nothing, silently")
+    style = re.search(r"<style>(.*?)</style>", notes[0]["value"], re.S)
+    rules = dict(re.findall(r"([^{}]+)\{([^}]*)\}", style.group(1) if style else ""))
+    rules = {" ".join(k.split()): v for k, v in rules.items()}
+    note, gone = f".{show.OFFLINE_NOTE_CLASS}", f".{show.DISCONNECTED_CLASS}"
+    assert "display: none" in rules.get(note, ""), \
+        "the note is not hidden by default: it would show under live, working controls too"
+    assert "display: block" in rules.get(f"{gone} {note}", ""), \
+        f"the note is not shown where the front end marks widgets disconnected ({gone})"
+    # the class ipywidgets' JupyterLab manager puts on a view whose kernel is gone
+    from jupyter_core.paths import jupyter_path
+
+    folders = [Path(p) / "@jupyter-widgets" / "jupyterlab-manager" / "static"
+               for p in jupyter_path("labextensions")]
+    manager = next((f for f in folders if f.is_dir()), folders[0])
+    marks = re.compile(rf"addClass\(\s*[\"']{show.DISCONNECTED_CLASS}[\"']\s*\)")
+    assert marks.search(_front_end_code(manager)), \
+        f"this ipywidgets no longer marks disconnected views with {show.DISCONNECTED_CLASS!r}"
+
+
+def test_a_notebook_opened_run_and_saved_is_unchanged_for_git(lab):
+    """A notebook opened, run and saved in JupyterLab (outputs, widget state, and the kernel's name
+    and Python version in its metadata) shows no change in git diff, so ./run.sh update can pull."""
+    model = lab.api("GET", f"/api/contents/{NOTEBOOK}?content=1")
+    notebook = model["content"]
+    # what JupyterLab's front end writes into the notebook from the kernel it runs
+    specs = lab.api("GET", "/api/kernelspecs")["kernelspecs"]
+    spec = specs[notebook["metadata"]["kernelspec"]["name"]]
+    reply = lab.client.kernel_info(reply=True, timeout=60)["content"]
+    notebook["metadata"]["kernelspec"] = {"display_name": spec["spec"]["display_name"],
+                                          "language": spec["spec"]["language"],
+                                          "name": spec["name"]}
+    notebook["metadata"]["language_info"] = reply["language_info"]
+    notebook["metadata"]["widgets"] = {"application/vnd.jupyter.widget-state+json": {
+        "state": {}, "version_major": 2, "version_minor": 0}}
+    code = next(c for c in notebook["cells"] if c["cell_type"] == "code")
+    code["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "measured: 1.23 s\n"}]
+    code["execution_count"] = 1
+    lab.api("PUT", f"/api/contents/{NOTEBOOK}", {"type": "notebook", "format": "json",
+                                                 "content": notebook})
+    saved = json.loads((lab.root / NOTEBOOK).read_text())["metadata"]
+    assert saved["language_info"].get("version") == reply["language_info"]["version"], \
+        "the save did not write the kernel's metadata: this checks nothing"
+    if _git("diff", "--quiet", "--", NOTEBOOK, cwd=lab.root).returncode != 0:  # as ./run.sh update
+        diff = _git("diff", "--no-textconv", "--", NOTEBOOK, cwd=lab.root)
+        pytest.fail("opening, running and saving a notebook shows as a change in git (./run.sh "
+                    "update would refuse to pull over it):\n"
+                    f"{diff.stdout[-3000:]}{diff.stderr[-2000:]}")
