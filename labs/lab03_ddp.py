@@ -302,7 +302,10 @@ class BucketedDDP(nn.Module):
 
         The tests check the overlap itself: when the step's last gradient (in the last bucket)
         becomes ready, every earlier bucket must already be on its way; every bucket is launched
-        before `loss.backward()` returns, and none is waited on before it returns.
+        before `loss.backward()` returns, and nothing inside backward waits for an all-reduce to
+        complete (no `.wait()`, no loop on `.is_completed()`: in one step another rank holds its
+        gradients back, and backward must return all the same). They also use a model whose
+        gradients complete a later bucket before an earlier one: the launches stay in bucket order.
         """
         ### BEGIN SOLUTION
         bucket_index, position = self.bucket_of[index]
@@ -322,11 +325,11 @@ class BucketedDDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Call after loss.backward(), before optimizer.step().
 
-        For every bucket: wait for its all-reduce (the handle's `.wait()`), divide the summed
-        buffer by the world size, and copy each parameter's slice back into its `.grad`
-        (same shape as the parameter). Then reset the per-step state (`num_ready`, `work`,
-        `self.next_bucket`) so the next backward starts afresh. Afterwards every rank's .grad
-        equals the gradient of one process that saw the whole global batch.
+        For every bucket: wait for its all-reduce (the handle's `.wait()`, once per bucket: the
+        tests count them), divide the summed buffer by the world size, and copy each parameter's
+        slice back into its `.grad` (same shape as the parameter). Then reset the per-step state
+        (`num_ready`, `work`, `self.next_bucket`) so the next backward starts afresh. Afterwards
+        every rank's .grad equals the gradient of one process that saw the whole global batch.
         """
         missing = [i for bucket in self.buckets if bucket.work is None for i in bucket.param_indices]
         if missing:

@@ -4,7 +4,10 @@ Run:  ./run.sh 03      (or: ./run.sh labs/lab03_ddp_bench.py)
 
 The same MLP, the same batch, the same SGD step with every method of labs/lab03_ddp.py (naive,
 flat, overlapped, BucketedDDP) and torch's DistributedDataParallel, at bucket caps well below the
-model's size, so every bucketed row really has several buckets (the bucket count is in each row).
+model's size and above one layer's weight and bias, so every bucketed row really has several
+buckets of several parameters each (each row counts its buckets and parameters per bucket). A cap
+below one layer (weight + bias) would leave every parameter alone in its bucket: the overlapped
+method again, one message per parameter.
 Three measurements:
 
 1. Step time: median over interleaved rounds (a burst of load on a shared machine hits every
@@ -111,6 +114,7 @@ def bench(ctx: DistContext, width: int, depth: int, local_batch_size: int,
             dp.comm.reset()
             launched = step()
             row = {"method": label, "buckets/step": dp.comm.collectives,
+                   "params/bucket": round(len(list(model.parameters())) / max(1, dp.comm.collectives), 2),
                    "MB/step": dp.comm.bytes / 1e6, "launched in backward": launched}
             row["timeline"] = timed_step(dp, model, opt, x, y, ctx.device)
             row["tail ms"] = row["timeline"]["tail_ms"]
@@ -244,7 +248,9 @@ def draw_tail_model(ax, model: dict, rows: list[dict]) -> None:
 
 def run(ctx: DistContext) -> dict:
     width, depth, local_batch_size = pick(256, 128), pick(24, 8), pick(256, 64)
-    caps_mb = pick([1.0, 0.25], [0.125])
+    # several buckets of several parameters at every cap: above one layer (weight + bias: 257 KiB
+    # at full size, 64.5 KiB in smoke mode), below the whole model (6 MiB; 516 KiB)
+    caps_mb = pick([2.0, 1.0, 0.5], [0.125])
     rounds, repeats = pick(3, 1), pick(3, 2)
     total_bytes = depth * (width * width + width) * 4
     ctx.print0(f"MLP {depth} x Linear({width}, {width}): {total_bytes / MiB:.2f} MiB of fp32 "
@@ -254,7 +260,8 @@ def run(ctx: DistContext) -> dict:
     model = alpha_beta(ctx, pick([4, 64 * KiB, MiB, 4 * MiB], [4, 256 * KiB, 4 * MiB]), repeats=pick(5, 3))
     model.update(predictions(rows, model, total_bytes))
     config = {"width": width, "depth": depth, "local_batch_size": local_batch_size,
-              "caps_mb": caps_mb, "samples": rounds * repeats, "total_bytes": total_bytes}
+              "caps_mb": caps_mb, "samples": rounds * repeats, "total_bytes": total_bytes,
+              "layer_bytes": (width * width + width) * 4}  # a cap below it: one bucket per parameter
     result = {"bench": rows, "alpha_beta": model, "bench_config": config}
     ctx.report(**result)
     if ctx.rank == 0:

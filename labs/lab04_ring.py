@@ -145,7 +145,9 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     dist.batch_isend_irecv, or dist.send / dist.recv), and only two peers: send to the next rank
     of the group, (rank + 1) % N, and receive from the previous one, (rank - 1) % N, where rank
     and N are this process's rank in `group` and the group's size. Convert group ranks to the
-    global ranks that isend/irecv/P2POp take with dist.get_global_rank(group or dist.group.WORLD, r).
+    global ranks that isend/irecv/P2POp take with dist.get_global_rank(group or dist.group.WORLD, r)
+    (they take global ranks with or without group=; the messages may go through `group` or the
+    default group, the tests count them either way).
 
     Algorithm (N ranks, K bytes): view the tensor as one flat vector and split it into N chunks,
     `tensor.view(-1).tensor_split(N)` (views; sizes differ by at most one element; some are empty

@@ -171,6 +171,12 @@ def test_benchmark_has_several_buckets_and_a_timeline(labs_run):
     for cap in res["bench_config"]["caps_mb"]:
         assert rows[f"torch DDP {cap:g} MiB"]["buckets/step"] > 1, "the caps must give several buckets"
         assert rows[f"torch DDP {cap:g} MiB"]["launched in backward"] >= 1
+        assert cap * MiB >= res["bench_config"]["layer_bytes"], \
+            f"cap {cap:g} MiB is below one layer: one bucket per parameter, the overlapped method"
+        for method in ("torch DDP", "BucketedDDP"):
+            row = rows[f"{method} {cap:g} MiB"]
+            if "unsolved" not in row:
+                assert row["params/bucket"] >= 2, f"{method} at {cap:g} MiB: buckets of one parameter"
     measured = [row for row in rows.values() if "unsolved" not in row]
     assert len({round(row["MB/step"], 9) for row in measured}) == 1
     for row in measured:

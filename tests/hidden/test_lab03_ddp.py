@@ -4,7 +4,9 @@ Stricter than the public tests: random layouts and mixed dtypes for plan_buckets
 subgroup that excludes rank 0 (broadcast from the group's first rank, averaging over the group);
 every bucket launched during backward, in bucket order, with exactly the bucket's size, each one
 as soon as its last gradient is in (observed by hooks registered before wrapping, as in the public
-tests, on another model and world size); gradients set to None between steps; gradient
+tests, on another model and world size), also on a gated model whose first gradient completes
+the last bucket; no wait of any kind inside backward (one rank holds back its first gradient
+until another rank's backward has returned); gradients set to None between steps; gradient
 accumulation with no_sync; bucket caps at both extremes; the classifier on 3 ranks, with the
 public tests' checks of its batches and logged losses. Tolerances: atol 1e-6 + rtol 1e-5 on
 gradients, atol 1e-6 on parameters. One 3-rank launch runs every distributed case; a case that
@@ -21,12 +23,14 @@ import torch
 from helpers.exercise import Unsolved, unsolved_message
 from tests.conftest import launch_ranks
 from tests.public.test_lab03_classifier import classifier_checks, fit_and_observe
-from tests.public.test_lab03_ddp import complete_leading_buckets, observe_arrivals
+from tests.public.test_lab03_ddp import HoldBack, complete_leading_buckets, observe_arrivals
 
 
 ATOL, RTOL = 1e-6, 1e-5
 CAP_BYTES = 4096
 STEPS = 5
+HOLD_STEP, HOLD_TIMEOUT_S = 2, 20.0  # rank 2 holds its first gradient until rank 0's backward returned
+GATED_CAP_BYTES = 1200  # Gated's buckets: [4, 3, 2], [1], [0] (the gate alone, last)
 
 
 def reference_plan(params, cap):
@@ -147,6 +151,36 @@ def test_each_bucket_launched_as_soon_as_it_is_complete(hidden_run):
 
 @pytest.mark.exercise("bucketed_ddp")
 @pytest.mark.points(2)
+def test_bucket_order_kept_when_the_first_gradient_completes_the_last_bucket(hidden_run):
+    """Buckets launch in bucket order even when backward completes the last bucket first."""
+    for rank, res in _case(hidden_run, "gated").items():
+        assert res["buckets"] == [[4, 3, 2], [1], [0]], f"rank {rank}: buckets {res['buckets']}"
+        for step, launched in enumerate(res["launched_numels_per_step"]):
+            assert launched == res["bucket_numels"], (
+                f"rank {rank} step {step}: all-reduced sizes {launched}, expected the buckets in "
+                f"bucket order {res['bucket_numels']}")
+        for step, arrivals in enumerate(res["arrivals"]):
+            for k, (param, launched) in enumerate(arrivals):
+                expected = complete_leading_buckets(res["buckets"], [p for p, _ in arrivals[:k]])
+                assert launched == expected, (
+                    f"rank {rank} step {step}: gradient of parameter {param} arrived with "
+                    f"{expected} bucket(s) complete in bucket order but {launched} launched")
+        for step, (diff, scale) in enumerate(zip(res["grad_diffs"], res["grad_scales"])):
+            assert diff <= ATOL + RTOL * scale, f"rank {rank} step {step}: grads differ by {diff:g}"
+
+
+@pytest.mark.exercise("bucketed_ddp")
+@pytest.mark.points(2)
+def test_backward_returns_while_another_rank_has_launched_nothing(hidden_run):
+    """Backward never waits for the other ranks: no wait, spin on is_completed or blocking call inside it."""
+    res = _case(hidden_run, "world")[2]
+    assert res["rank0_backward_returned_while_held"] is True, (
+        f"rank 2 held its first gradient for {HOLD_TIMEOUT_S:g} s and rank 0's backward did not "
+        "return meanwhile: something inside backward waits for an all-reduce")
+
+
+@pytest.mark.exercise("bucketed_ddp")
+@pytest.mark.points(2)
 def test_subgroup_without_rank0(hidden_run):
     """Works on a process group that leaves out global rank 0: start weights and averaging per group."""
     results = _case(hidden_run, "subgroup")
@@ -208,7 +242,7 @@ def test_classifier_batches_and_logged_losses_on_three_ranks(hidden_run):
 # --- the 3-rank worker ---------------------------------------------------------------------------
 
 def _train_and_compare(ddp, model, reference, rank, world_size, sizes, steps, out, state=None,
-                       arrivals=None):
+                       arrivals=None, hold=None):
     from torch import nn
 
     from labs.lab03_ddp import flat_grads, flat_params, global_batch, local_shard
@@ -227,7 +261,11 @@ def _train_and_compare(ddp, model, reference, rank, world_size, sizes, steps, ou
         if state is not None:
             state["start"] = launched
             arrivals.clear()
+        if hold is not None:
+            hold.current_step = step
         loss.backward()
+        if hold is not None:
+            hold.backward_returned(rank)
         if state is not None:
             out["arrivals"].append(list(arrivals))
         out["launched_during_backward"].append(ddp.comm.collectives - launched)
@@ -261,14 +299,48 @@ def case_world(ctx):
 
     model, reference = _mixed_model(10 + ctx.rank), _mixed_model(10)
     state = {"ddp": None, "start": 0}
-    arrivals = observe_arrivals(model, state)
+    hold = HoldBack(HOLD_STEP, holder=2, waited_for=0, timeout_s=HOLD_TIMEOUT_S, tag="hidden")
+    arrivals = observe_arrivals(model, state, on_first=lambda: hold.on_first_gradient(ctx.rank))
     ddp = state["ddp"] = BucketedDDP(model, bucket_cap_mb=CAP_BYTES / 2**20)
     out = {"max_init_diff_vs_rank0": (flat_params(model) - flat_params(reference)).abs().max().item(),
            "buckets": [b.param_indices for b in ddp.buckets]}
     params = list(model.parameters())
     out["bucket_numels"] = [sum(params[i].numel() for i in b) for b in plan_buckets(params, CAP_BYTES)]
     out["num_params"] = len(params)
-    return _train_and_compare(ddp, model, reference, ctx.rank, ctx.world_size, [10, 7], STEPS, out,
+    _train_and_compare(ddp, model, reference, ctx.rank, ctx.world_size, [10, 7], STEPS, out,
+                       state, arrivals, hold)
+    out["rank0_backward_returned_while_held"] = hold.released
+    return out
+
+
+class Gated(torch.nn.Module):
+    """A gate registered first and applied last: its gradient arrives first and completes the
+    last bucket (parameter 0 alone) before any other."""
+
+    def __init__(self, seed):
+        from torch import nn
+
+        super().__init__()
+        torch.manual_seed(seed)
+        self.gate = nn.Parameter(torch.rand(7) + 0.5)  # 28 bytes
+        self.first = nn.Linear(10, 30)                 # 1200 + 120 bytes
+        self.last = nn.Linear(30, 7)                   # 840 + 28 bytes
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.first(x))) * self.gate
+
+
+def case_gated(ctx):
+    from labs.lab03_ddp import BucketedDDP
+
+    model, reference = Gated(50 + ctx.rank), Gated(50)
+    state = {"ddp": None, "start": 0}
+    arrivals = observe_arrivals(model, state)
+    ddp = state["ddp"] = BucketedDDP(model, bucket_cap_mb=GATED_CAP_BYTES / 2**20)
+    params = list(model.parameters())
+    out = {"buckets": [b.param_indices for b in ddp.buckets],
+           "bucket_numels": [sum(params[i].numel() for i in b.param_indices) for b in ddp.buckets]}
+    return _train_and_compare(ddp, model, reference, ctx.rank, ctx.world_size, [10, 7], 2, out,
                               state, arrivals)
 
 
@@ -338,7 +410,7 @@ if __name__ == "__main__":
     from helpers.dist import distributed
 
     with distributed() as ctx:
-        for name, case in (("world", case_world), ("subgroup", case_subgroup),
+        for name, case in (("world", case_world), ("gated", case_gated), ("subgroup", case_subgroup),
                            ("no_sync", case_no_sync), ("caps", case_caps),
                            ("classifier", case_classifier)):
             try:

@@ -65,6 +65,10 @@ def run_case(ring_all_reduce, x, group=None, repeat: int = 1) -> dict:
             result = ring_all_reduce(x, group=group)
         sent.append(traffic.sent_bytes)
         received.append(traffic.recv_bytes)
+    members = (list(range(dist.get_world_size())) if group is None else
+               [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))])
+    peers = {direction: sorted({m.global_peer for m in traffic.messages if m.direction == direction},
+                               key=lambda p: -1 if p is None else p) for direction in ("send", "recv")}
     tol = TOLERANCE.get(x.dtype)
     close = torch.equal(x, expected) if tol is None else torch.allclose(
         x.double(), expected.double(), **tol)
@@ -73,6 +77,7 @@ def run_case(ring_all_reduce, x, group=None, repeat: int = 1) -> dict:
             "same_shape": tuple(x.shape) == shape, "bits": bits(x),
             "tensor_bytes": x.nbytes, "numel": x.numel(),
             "itemsize": x.element_size(), "sent_each_call": sent, "recv_each_call": received,
+            "members": members, "send_global_peers": peers["send"], "recv_global_peers": peers["recv"],
             **traffic.summary()}
 
 
@@ -109,8 +114,14 @@ def expected_sent_bytes(numel: int, itemsize: int, ring_size: int) -> list[int]:
 def check_traffic(reps, ring_size):
     k = reps[0]["tensor_bytes"]
     for r, rep in enumerate(reps):
-        assert set(rep["send_peers"]) <= {(r + 1) % ring_size}, f"group rank {r} sent to {rep['send_peers']}"
-        assert set(rep["recv_peers"]) <= {(r - 1) % ring_size}, f"group rank {r} received from {rep['recv_peers']}"
+        # global ranks: messages may go through the group or through the default group
+        after, before = rep["members"][(r + 1) % ring_size], rep["members"][(r - 1) % ring_size]
+        assert set(rep["send_global_peers"]) <= {after}, (
+            f"group rank {r} sent to global rank(s) {rep['send_global_peers']}, not only to the next "
+            f"rank of the ring (global rank {after})")
+        assert set(rep["recv_global_peers"]) <= {before}, (
+            f"group rank {r} received from global rank(s) {rep['recv_global_peers']}, not only from "
+            f"the previous rank of the ring (global rank {before})")
         assert rep["recv_bytes"] <= 2 * (ring_size - 1) * math.ceil(rep["numel"] / ring_size) * rep["itemsize"]
         if rep["numel"] % ring_size == 0:
             assert rep["sent_bytes"] == rep["recv_bytes"] == 2 * (ring_size - 1) * k // ring_size
