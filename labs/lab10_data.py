@@ -12,16 +12,25 @@ healthy and with one bug at a time:
   backward either wastes a second all-reduce (sum, then / N: same numbers, twice the traffic),
   or multiplies them by N (sum without / N); a loss divided by N before backward "because DDP
   sums" averages twice and divides them by N;
+  With SGD (the optimizer here) gradients N times too large are a learning rate N times too
+  large; Adam divides each step by the gradient's running RMS, so it barely notices (measured);
 - the global batch grows with the ranks: with the learning rate unchanged, an epoch has N times
   fewer steps of the same size, and the loss after an epoch is worse; the linear scaling rule
-  (learning rate times N; Goyal et al. 2017, arXiv:1706.02677) recovers most of it.
+  (learning rate times N; Goyal et al. 2017, arXiv:1706.02677) recovers most of it;
+- an autograd collective with a wrong backward: torch.distributed.nn.functional.all_gather on
+  gloo, when the gradient reaching it is not contiguous (blocks gathered along the sequence,
+  then heads and sequence transposed, as attention code does), gives wrong input gradients and
+  no error; the fixes: make that gradient contiguous, or an autograd function of one's own.
 Every symptom is compared with a single-process reference trained in this process on the same
 global batches (N ranks with local batch B train exactly like one process with batch N*B).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_autograd
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
@@ -70,13 +79,17 @@ EXTRA_REDUCTION = {  # what runs on top of DDP's own gradient average
 }
 
 
-def train_ddp(data, batches: list[list[int]], lr: float, device, extra: str = "none") -> dict:
+OPTIMIZERS = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam}
+
+
+def train_ddp(data, batches: list[list[int]], lr: float, device, extra: str = "none",
+              optimizer: str = "SGD") -> dict:
     """DDP training on this rank's `batches`; records the local loss, the loss averaged over ranks,
     the gradient norm at every step and the bytes of any manual all-reduce (`extra`: see
     EXTRA_REDUCTION)."""
     x, y = data
     ddp = DDP(make_model(device), device_ids=ddp_device_ids(device))
-    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    opt = OPTIMIZERS[optimizer](ddp.parameters(), lr=lr)
     world_size = dist.get_world_size()
     local, mean, grad_norm, extra_bytes = [], [], [], 0
     for idx in batches:
@@ -124,6 +137,79 @@ def param_gap(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
+# ============================================================================ a wrong backward
+BHSD = (2, 3, 4, 5)  # one rank's block: (batch, heads, sequence, head dim); heads > 1 matters
+
+
+class ContiguousGrad(torch.autograd.Function):
+    """Identity forward; backward hands on a contiguous copy of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+class AllGather(torch.autograd.Function):
+    """All-gather whose backward is a reduce-scatter: this rank's block receives the sum over
+    ranks of the gradients of its copy (each gradient made contiguous before it is sent)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = [torch.empty_like(x, memory_format=torch.contiguous_format)
+               for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        mine = torch.empty_like(grads[0], memory_format=torch.contiguous_format)
+        dist.reduce_scatter(mine, [g.contiguous() for g in grads], group=ctx.group)
+        return mine, None
+
+
+def gathered_loss(blocks: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """Rank `rank`'s loss on every rank's block: the blocks joined along the sequence, then
+    (b, h, s, d) -> (b, s, h, d) as attention code does, so the gradient that flows back into the
+    blocks is a transposed (non-contiguous) view; weights seeded by the rank."""
+    joined = torch.cat(blocks, dim=2).transpose(1, 2)  # (b, n*s, h, d)
+    weight = torch.randn(joined.shape, generator=torch.Generator().manual_seed(100 + rank))
+    return (joined * weight).sum()
+
+
+def all_gather_backward(rank: int, world_size: int) -> dict:
+    """Each rank's block's gradient of the sum of every rank's loss, three ways, against one
+    process that computes that sum itself: the largest |difference| over the ranks, per way.
+    On a gloo group and CPU tensors even on a GPU machine (nccl takes another path in torch)."""
+    group = dist.new_group(backend="gloo")
+    blocks = [torch.randn(BHSD, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    reference = [b.clone().requires_grad_() for b in blocks]
+    sum(gathered_loss(reference, r) for r in range(world_size)).backward()
+    ways = {
+        "torch.distributed.nn.functional.all_gather":
+            lambda x: dist_autograd.all_gather(x, group=group),
+        "the same, gradient made contiguous":
+            lambda x: [ContiguousGrad.apply(t) for t in dist_autograd.all_gather(x, group=group)],
+        "an autograd function of our own (reduce-scatter)":
+            lambda x: AllGather.apply(x, group),
+    }
+    out = {}
+    for name, gather in ways.items():
+        x = blocks[rank].clone().requires_grad_()
+        with warnings.catch_warnings():  # the functional collectives' deprecation notice
+            warnings.simplefilter("ignore", FutureWarning)
+            gathered_loss(list(gather(x)), rank).backward()
+        gap = (x.grad - reference[rank].grad).abs().max()
+        dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=group)
+        out[name] = gap.item()
+    out["gradient size (max |reference|)"] = max(r.grad.abs().max().item() for r in reference)
+    return out
+
+
 def run(rank: int, world_size: int, device) -> dict:
     size = pick(256, 128)
     divide(size, world_size * LOCAL_BATCH, "the dataset over the ranks' local batches")
@@ -161,12 +247,21 @@ def run(rank: int, world_size: int, device) -> dict:
 
     # 3. gradients reduced twice
     out["reduced twice"] = {}
+    runs = {}
     for name, extra in EXTRA_REDUCTION.items():
-        run_ = healthy if extra == "none" else train_ddp(data, local_batches[rank], LR, device, extra)
+        run_ = runs[extra] = healthy if extra == "none" else train_ddp(data, local_batches[rank], LR, device, extra)
         out["reduced twice"][name] = {
             "gradient / reference": run_["grad_norm"][0] / reference["grad_norm"][0],
             "manual all-reduce bytes per step": run_.get("extra_bytes_per_step", 0),
             "loss after the epoch": full_loss(run_["model"], data, device)}
+    # the same gradients N times too large, under SGD and under Adam: how far from the healthy run
+    adam = {extra: train_ddp(data, local_batches[rank], LR, device, extra, optimizer="Adam")
+            for extra in ("none", "sum")}
+    out["gradients x N, by optimizer"] = {
+        "SGD": {"parameter gap to the healthy run": param_gap(runs["sum"]["model"], healthy["model"]),
+                "parameter change in the healthy run": param_gap(healthy["model"], make_model(device))},
+        "Adam": {"parameter gap to the healthy run": param_gap(adam["sum"]["model"], adam["none"]["model"]),
+                 "parameter change in the healthy run": param_gap(adam["none"]["model"], make_model(device))}}
 
     # 4. one epoch, three ways: 1 process batch B; N ranks at lr; N ranks at N * lr
     single_b = train_single(data, step_batches(epoch_orders(size, 1, 0, 1, True)[0], LOCAL_BATCH), LR, device)
@@ -178,6 +273,9 @@ def run(rank: int, world_size: int, device) -> dict:
         f"{world_size} ranks, batch {world_size}B, {world_size} x lr": {
             "steps": len(global_batches), "loss": full_loss(scaled["model"], data, device)},
         "loss before training": full_loss(make_model(device), data, device)}
+
+    # 5. an autograd collective whose backward is wrong on gloo
+    out["all_gather backward"] = all_gather_backward(rank, world_size)
     return out
 
 
@@ -204,6 +302,13 @@ def main() -> None:
               title="gradients reduced twice: step 0's gradient norm over the reference's")
         table([{"run": k, **v} if isinstance(v, dict) else {"run": k, "loss": v}
                for k, v in out["learning rate"].items()], title="one epoch: the loss on the whole dataset")
+        table([{"optimizer": k, **v} for k, v in out["gradients x N, by optimizer"].items()],
+              title=f"gradients {n} times too large: parameters after one epoch vs the healthy run's")
+        ag = dict(out["all_gather backward"])
+        size = ag.pop("gradient size (max |reference|)")
+        table([{"all-gather": k, "largest error in an input gradient": v} for k, v in ag.items()],
+              title=f"an all-gather's backward when the gradient reaching it is not contiguous (gloo; "
+                    f"gradients up to {size:.2g})")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,16 @@ Run:  ./run.sh 10      (this file alone: ./run.sh labs/lab10_diagnose.py)
 `plant(seed)` picks one of BUGS (or none) from a seed; `run_jobs(...)` runs such jobs and returns
 what each one printed and logged, a `JobOutputs`: the error that ended it (if any) and the rank the
 launcher would blame (the first to fail), and what every rank logged: losses, gradient norms, the
-samples it trained on, digests of its parameters and buffers, the tail of its flight recorder.
+samples it trained on, digests of its parameters and buffers, its flight recorder's collectives.
 Many jobs run in one launch, side by side in threads, each on a process group of its own (a hung
-job then times out on its own group and the others go on).
+job then times out on its own group and the others go on); a job may use fewer ranks than the
+launch has (its group is then the first `world_size` ranks).
 
-The job: a small regression (Linear -> BatchNorm -> ReLU -> Linear) trained for two epochs with a
-shuffling DistributedSampler, hand-written gradient averaging and plain SGD; step 0 also logs the gradient
-norm one process would get on that step's global batch, as a sanity check.
+The job: a small regression (Linear -> BatchNorm -> ReLU -> Linear) trained for 2 or 3 epochs with
+a shuffling DistributedSampler, hand-written gradient averaging and plain SGD; step 0 also logs the
+gradient norm one process would get on that step's global batch, as a sanity check. The seed
+varies the job (batch, steps, epochs, the step a bug strikes) and the bug's form: which rank acts
+alone, which collectives, whether one rank or every rank goes its own way; see `job_config`.
 
 Homework: `diagnose` below. Check it with `./run.sh check 10`.
 With `--lessons` (the notebook uses it) the launch also runs lab10_divergence and lab10_data, whose
@@ -23,13 +26,17 @@ import copy
 import datetime
 import hashlib
 import os
+import pickle
 import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "4000")  # the flight recorder, read when torch starts
+# The flight recorder keeps the last 2000 collectives of the process by default (all groups
+# together); the mystery jobs issue about 100 each per rank, and a job whose oldest records fell
+# out of the ring would show the wrong count. torch reads this at its first collective.
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "50000")
 
 import torch
 import torch.distributed as dist
@@ -41,23 +48,34 @@ from helpers import pick
 from helpers.dist import distributed
 from helpers.exercise import attempt
 from helpers.show import table
-from labs.lab10_hangs import error_line, flight_records
+from labs.lab10_hangs import error_line, flight_recorder_size, flight_records
 
 BUGS = {
     "healthy": "nothing planted",
-    "collective_on_one_rank": "rank 0 alone all-reduces the final loss, to log it",
-    "collectives_in_different_orders": "at one step rank 0 all-reduces then broadcasts, the others the reverse",
-    "different_initialisation": "each rank builds the model from its own seed, and nothing broadcasts it",
-    "random_state": "at one step each rank re-initialises a few weights from its own random generator",
+    "collective_on_one_rank": "after training one rank alone issues a collective (to log the final loss, "
+                              "or to wait before saving)",
+    "collectives_in_different_orders": "at one step one rank issues two collectives in one order, the "
+                                       "others in the other",
+    "different_initialisation": "one rank, or every rank, builds the model from its own seed, and nothing "
+                                "broadcasts it",
+    "random_state": "at one step one rank, or every rank, re-initialises a few weights from its own "
+                    "random generator",
     "buffer_not_synchronised": "BatchNorm's running statistics are never averaged over the ranks",
     "no_set_epoch": "sampler.set_epoch(epoch) is never called",
-    "no_distributed_sampler": "every rank reads the whole dataset, in the same order",
-    "loss_logged_from_one_rank": "the logged loss is each rank's own, not the mean over the ranks",
+    "no_distributed_sampler": "every rank reads the same samples (no DistributedSampler, or one given the "
+                              "same rank everywhere)",
+    "loss_logged_from_one_rank": "the logged loss is one rank's own (each rank's, or one rank's sent to "
+                                 "all), not the mean over the ranks",
     "gradients_summed": "gradients are all-reduced (summed) and never divided by the world size",
     "gradients_averaged_twice": "the loss is divided by the world size before the gradients are averaged",
 }
 HANG_TIMEOUT_S = 2.0  # a hung job's group gives up after this long
-IN, HIDDEN, EPOCHS, LR = 8, 16, 2, 0.05
+IN, HIDDEN, LR = 8, 16, 0.05
+# the collectives a hang bug plants (`issue` gives each a size no other one sends, so that two
+# different ops never pair up as one)
+LONE_OPS = ("all_reduce", "all_gather", "barrier")         # collective_on_one_rank
+ORDER_PAIRS = (("all_reduce", "all_gather"), ("all_gather", "barrier"), ("barrier", "all_reduce"),
+               ("all_reduce", "broadcast"))                # collectives_in_different_orders
 
 
 @dataclass
@@ -135,11 +153,20 @@ def plant(seed: int) -> str:
 
 
 def job_config(seed: int, world_size: int) -> dict:
+    """The job's shape and its bug's form, from the seed. `odd_rank` is the rank that goes its own
+    way (the lone collective; the other order; its own seed, generator or logged loss) and, where
+    `every_rank`, each rank goes its own way instead. A broadcast's root is group rank 0, so a
+    broadcast is planted only where rank 0 is the odd one (elsewhere gloo may deliver it early
+    and nothing would hang)."""
     rng = random.Random(seed * 7919 + 1)
-    local_batch, steps_per_epoch = rng.choice([4, 6, 8]), rng.choice([3, 4])
-    return {"local_batch": local_batch, "steps_per_epoch": steps_per_epoch,
+    local_batch, steps_per_epoch, epochs = rng.choice([4, 6, 8]), rng.choice([2, 3, 4]), rng.choice([2, 3])
+    odd_rank = rng.randrange(world_size)
+    pairs = [p for p in ORDER_PAIRS if "broadcast" not in p or odd_rank == 0]
+    return {"local_batch": local_batch, "steps_per_epoch": steps_per_epoch, "epochs": epochs,
             "size": local_batch * steps_per_epoch * world_size,
-            "bug_step": rng.randrange(1, EPOCHS * steps_per_epoch - 1)}
+            "bug_step": rng.randrange(1, epochs * steps_per_epoch - 1),
+            "odd_rank": odd_rank, "every_rank": rng.random() < 0.5,
+            "lone_op": rng.choice(LONE_OPS), "order": rng.choice(pairs)}
 
 
 def make_model(seed: int) -> nn.Sequential:
@@ -165,27 +192,46 @@ def digest(tensors) -> str:
     return h.hexdigest()[:12]
 
 
+def issue(op: str, group, root: int, device) -> None:
+    """One collective of a planted bug; each op sends a size no other op sends."""
+    if op == "all_reduce":
+        dist.all_reduce(torch.ones(4, device=device), group=group)
+    elif op == "all_gather":
+        out = [torch.empty(3, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, torch.ones(3, device=device), group=group)
+    elif op == "broadcast":
+        dist.broadcast(torch.ones(8, device=device), src=root, group=group)
+    else:
+        dist.barrier(group=group)
+
+
 def run_job(bug: str, seed: int, rank: int, world_size: int, group, device) -> dict:
-    """One job on `group`, with `bug` planted; returns this rank's log (and its error, if any)."""
+    """One job on `group` (this rank is `rank` of `world_size` there), with `bug` planted; returns
+    this rank's log (and its error, if any)."""
     cfg = job_config(seed, world_size)
     x, y = job_data(cfg["size"])
     log = {"local_loss": [], "logged_loss": [], "grad_norm": [], "samples": [],
            "param_digest": [], "buffer_digest": []}
     root = dist.get_global_rank(group, 0)
+    odd = cfg["every_rank"] or rank == cfg["odd_rank"]  # this rank goes its own way (rank-local bugs)
     try:
-        model = make_model(seed + rank if bug == "different_initialisation" else seed).to(device)
-        if bug != "different_initialisation":
+        if bug == "different_initialisation":  # no broadcast follows
+            model = make_model(seed + 1000 + rank if odd else seed).to(device)
+        else:
+            model = make_model(seed).to(device)
             for p in model.parameters():
                 dist.broadcast(p.data, src=root, group=group)  # the same start everywhere
         params, buffers = list(model.parameters()), [model[1].running_mean, model[1].running_var]
         log["param_digest"].append(digest(params))
         log["buffer_digest"].append(digest(buffers))
-        unsharded = bug == "no_distributed_sampler"
-        sampler = DistributedSampler(range(cfg["size"]), num_replicas=1 if unsharded else world_size,
-                                     rank=0 if unsharded else rank, shuffle=True, seed=seed)
+        if bug == "no_distributed_sampler":  # the whole dataset, or the same shard, on every rank
+            replicas, shard = (1, 0) if cfg["every_rank"] else (world_size, cfg["odd_rank"])
+        else:
+            replicas, shard = world_size, rank
+        sampler = DistributedSampler(range(cfg["size"]), num_replicas=replicas, rank=shard, shuffle=True, seed=seed)
         own_random = torch.Generator().manual_seed(seed * 100 + rank)
         step = 0
-        for epoch in range(EPOCHS):
+        for epoch in range(cfg["epochs"]):
             if bug != "no_set_epoch":
                 sampler.set_epoch(epoch)
             order = list(sampler)
@@ -210,7 +256,7 @@ def run_job(bug: str, seed: int, rank: int, world_size: int, group, device) -> d
                 with torch.no_grad():  # plain SGD, by hand
                     for p in params:
                         p.sub_(LR * p.grad)
-                if bug == "random_state" and step == cfg["bug_step"]:
+                if bug == "random_state" and step == cfg["bug_step"] and odd:
                     with torch.no_grad():  # "re-initialise dead units" with this rank's generator
                         model[0].weight[:2].copy_(torch.randn(2, IN, generator=own_random))
                 if bug != "buffer_not_synchronised":
@@ -221,21 +267,21 @@ def run_job(bug: str, seed: int, rank: int, world_size: int, group, device) -> d
                 if bug != "loss_logged_from_one_rank":
                     dist.all_reduce(logged, group=group)
                     logged /= world_size
+                elif not cfg["every_rank"]:  # one rank's loss, sent to every rank
+                    dist.broadcast(logged, src=dist.get_global_rank(group, cfg["odd_rank"]), group=group)
                 if bug == "collectives_in_different_orders" and step == cfg["bug_step"]:
                     give_up_soon(group)
-                    a, b = torch.ones(4, device=device), torch.ones(8, device=device)
-                    first, second = ((lambda: dist.all_reduce(a, group=group)),
-                                     (lambda: dist.broadcast(b, src=root, group=group)))
-                    (first if rank == 0 else second)()
-                    (second if rank == 0 else first)()
+                    first, second = cfg["order"]
+                    for op in ((first, second) if rank == cfg["odd_rank"] else (second, first)):
+                        issue(op, group, root, device)
                 log["local_loss"].append(loss.item())
                 log["logged_loss"].append(logged.item())
                 log["param_digest"].append(digest(params))
                 log["buffer_digest"].append(digest(buffers))
                 step += 1
-        if bug == "collective_on_one_rank" and rank == 0:
+        if bug == "collective_on_one_rank" and rank == cfg["odd_rank"]:
             give_up_soon(group)
-            dist.all_reduce(loss.detach().clone(), group=group)  # log the final loss, alone
+            issue(cfg["lone_op"], group, root, device)  # alone: the others have finished
     except Exception as exc:
         log["error"], log["error_time"] = error_line(exc), time.time()
     log["flight"] = flight_records(group)
@@ -257,16 +303,26 @@ def reference_grad_norm(model: nn.Module, x, y, batches: list[list[int]], device
     return torch.cat([g.flatten() for g in grads]).norm().item()
 
 
-def run_jobs(jobs: list[tuple[str, int]], rank: int, world_size: int) -> list[dict]:
-    """Run every (bug, seed) job at once, each in a thread on a group of its own; returns this
-    rank's log of each. Call on every rank with the same list. Gloo and the CPU even on a GPU
-    machine: on nccl a hung job's watchdog would tear the whole process down, and collectives
-    issued from several threads on several communicators can deadlock each other."""
-    groups = [dist.new_group(backend="gloo") for _ in jobs]  # in the same order on every rank
+def run_jobs(jobs: list[tuple[str, int, int]], rank: int, world_size: int) -> list[dict | None]:
+    """Run every (bug, seed, job_world_size) job at once, each in a thread on a group of its own
+    (the first job_world_size ranks); returns this rank's log of each (None where it takes no
+    part). Call on every rank with the same list. Gloo and the CPU even on a GPU machine: on nccl
+    a hung job's watchdog would tear the whole process down, and collectives issued from several
+    threads on several communicators can deadlock each other."""
+    for bug, seed, job_world in jobs:
+        if bug not in BUGS or not 2 <= job_world <= world_size:
+            raise ValueError(f"job {(bug, seed, job_world)}: the bug must be one of BUGS and the job's "
+                             f"world size within 2..{world_size}")
+    groups = [dist.new_group(list(range(job_world)), backend="gloo")  # in the same order on every rank
+              for _, _, job_world in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(run_job, bug, seed, rank, world_size, group, torch.device("cpu"))
-                   for (bug, seed), group in zip(jobs, groups)]
-        logs = [f.result() for f in futures]
+        futures = [pool.submit(run_job, bug, seed, rank, job_world, group, torch.device("cpu"))
+                   if rank < job_world else None for (bug, seed, job_world), group in zip(jobs, groups)]
+        logs = [f.result() if f else None for f in futures]
+    entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False)).get("entries", [])
+    if entries and min(e["record_id"] for e in entries) > 0:  # ids count from 0 in each process
+        raise RuntimeError(f"the flight recorder's ring buffer ({flight_recorder_size()} entries) overflowed, "
+                           "so the oldest jobs' records may be cut short: set TORCH_FR_BUFFER_SIZE higher")
     dist.barrier()
     return logs
 
@@ -280,13 +336,14 @@ def job_outputs(logs_by_rank: dict[int, dict]) -> JobOutputs:
     return JobOutputs(len(logs_by_rank), first, logs_by_rank[first]["error"] if failed else "", reports)
 
 
-def gather_outputs(logs: list[dict], world_size: int) -> list[dict] | None:
+def gather_outputs(logs: list[dict | None], world_size: int) -> list[dict] | None:
     """Rank 0 gets every job's JobOutputs (as dicts, ready for ctx.report); other ranks None."""
     everyone = [None] * world_size
     dist.gather_object(logs, everyone if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return None
-    return [asdict(job_outputs({r: everyone[r][j] for r in range(world_size)})) for j in range(len(logs))]
+    return [asdict(job_outputs({r: everyone[r][j] for r in range(world_size) if everyone[r][j] is not None}))
+            for j in range(len(logs))]
 
 
 def outputs_from_dict(data: dict) -> JobOutputs:
@@ -295,21 +352,23 @@ def outputs_from_dict(data: dict) -> JobOutputs:
                       {int(r): rep for r, rep in data["reports"].items()})
 
 
-def verdicts(jobs: list[tuple[str, int]], outputs: list[dict]) -> list[dict]:
+def verdicts(jobs: list[tuple[str, int, int]], outputs: list[dict]) -> list[dict]:
     rows, unsolved = [], None
-    for (bug, seed), out in zip(jobs, outputs):
+    for (bug, seed, job_world), out in zip(jobs, outputs):
         said = unsolved or attempt(diagnose, outputs_from_dict(out))
         if isinstance(said, dict):  # the exercise's stub record: one notice is enough
             unsolved = said
-        rows.append({"seed": seed, "diagnose says": said if isinstance(said, str) else "not done yet",
-                     "planted": bug, "right": said == bug})
+        rows.append({"seed": seed, "ranks": job_world, "diagnose says": said if isinstance(said, str)
+                     else "not done yet", "planted": bug, "right": said == bug})
     return rows
 
 
 def main(argv: list[str]) -> None:
     seed = int(os.environ.get("LAB10_SEED", "0") or 0)
-    jobs = [(plant(seed + i), seed + i) for i in range(pick(6, 4))]
     with distributed() as ctx:
+        # on 3 ranks or more, every other job uses 2 of them
+        jobs = [(plant(seed + i), seed + i, ctx.world_size if i % 2 == 0 or ctx.world_size == 2 else 2)
+                for i in range(pick(6, 4))]
         lessons = {}
         if "--lessons" in argv:
             from labs import lab10_data, lab10_divergence

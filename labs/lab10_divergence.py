@@ -64,16 +64,20 @@ def find_divergence(model: nn.Module, train_step: Callable[[int], Any], steps: i
     that fails it stops training and returns a `Divergence`: `step`, the number of steps done at
     that check; `last_agreed`, the step of the check before it (None when the first check fails);
     `names`, every state_dict key whose tensor differs on some rank, in state_dict order; `ranks`,
-    the group ranks whose copy differs from group rank 0's, ascending. Every rank returns the same
-    answer. If every check passes, it returns None after `steps` steps.
+    the group ranks whose copy differs from group rank 0's, ascending (all the others when group
+    rank 0 is the odd one). Every rank returns the same answer. If every check passes, it returns
+    None after `steps` steps. `every` must be >= 1 and `steps` >= 0 (ValueError otherwise).
 
-    A check must be cheap: each rank sends a fixed few bytes per tensor (at most 64, e.g. two
-    int64 checksums per tensor in one all-gather), never the tensors. And exact: the checksum must
-    change when any bit of any element changes, including two changes that cancel in a plain sum
-    (x[0] + d and x[1] - d). Hint: view the tensor's bytes as integers
-    (`t.detach().contiguous().view(-1).view(torch.uint8)`) and combine them with position weights.
-    Compute on the tensors' device (nccl moves only tensors on the rank's GPU).
-    `every` must be >= 1 and `steps` >= 0 (ValueError otherwise).
+    A check must be cheap: each rank sends a fixed few bytes per tensor (at most 64, e.g. a few
+    int64 checksums per tensor, every tensor's in one all-gather), never the tensors. And it must
+    see the differences training bugs make, in tensors of any size, dtype and byte count: the last
+    bit of one element; two elements changed by +d and -d (a plain sum does not see it); two
+    elements swapped (nothing that ignores positions sees it: a sum, a sum of squares, a
+    histogram); two such changes far apart (position weights that repeat, e.g. modulo 65,521,
+    give both the same weight). The tests plant each of these on one rank and check the answer.
+    Hint: view the tensor's bytes as integers (`t.detach().contiguous().view(-1).view(torch.uint8)`)
+    and combine them with position weights that never repeat within a tensor. Compute on the
+    tensors' device (nccl moves only tensors on the rank's GPU).
     """
     ### BEGIN SOLUTION
     if every < 1 or steps < 0:
@@ -81,13 +85,21 @@ def find_divergence(model: nn.Module, train_step: Callable[[int], Any], steps: i
     world_size = dist.get_world_size(group)
     names = list(model.state_dict().keys())
 
+    def checksum(tensor: torch.Tensor) -> torch.Tensor:
+        """Three int64 sums over the tensor's bytes read as 32-bit words w_1, w_2, ...:
+        sum w_i sees any change within one word; sum i * w_i any two words changed by +d and -d,
+        so any swap of two elements of 4 bytes or less; sum (i^2 mod p) * w_i most of what the
+        first two miss (two 8-byte elements swapped, changes spread over many words). No product
+        overflows for tensors under 8 GiB (i < 2^31, w_i < 2^32); the sums wrap modulo 2^64,
+        which keeps the first two guarantees (a product d * (i - j) is never a multiple of 2^64)."""
+        raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 4)])  # a copy: aligned, whole words
+        words = raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # (nbytes / 4,) in [0, 2^32)
+        index = torch.arange(1, words.numel() + 1, device=words.device)
+        return torch.stack([words.sum(), (index * words).sum(), (index * index % 2147483647 * words).sum()])
+
     def checksums() -> torch.Tensor:
-        rows = []
-        for tensor in model.state_dict().values():
-            raw = tensor.detach().contiguous().view(-1).view(torch.uint8).to(torch.int64)  # (nbytes,)
-            weights = torch.arange(raw.numel(), device=raw.device) % 65521 + 1  # order matters
-            rows.append(torch.stack([raw.sum(), (raw * weights).sum()]))
-        return torch.stack(rows)  # (n_tensors, 2) int64: 16 bytes per tensor
+        return torch.stack([checksum(t) for t in model.state_dict().values()])  # (n_tensors, 3): 24 bytes each
 
     def disagreement() -> tuple[tuple[str, ...], tuple[int, ...]]:
         mine = checksums()

@@ -12,8 +12,9 @@ tool says about them:
 - TORCH_DISTRIBUTED_DEBUG=DETAIL, which compares every collective's op, shapes and dtypes across
   ranks before running it, and what that costs (measured);
 - `dist.monitored_barrier`, which names the ranks that did not arrive;
-- torch's flight recorder (TORCH_FR_BUFFER_SIZE): each rank's last collectives, numbered per
-  process group, with op and sizes (and, on request, the Python line that issued each one).
+- torch's flight recorder (on by default in torch 2.13, gloo included: the last 2000 collectives,
+  `TORCH_FR_BUFFER_SIZE`): each rank's last collectives, numbered per process group, with op and
+  sizes (and, on request, the Python line that issued each one).
 The cases run side by side in threads, each on its own group, so their timeouts overlap.
 
 With `--end-with-hang S` the job then plants a real hang on the default group (rank 0 logs the
@@ -38,8 +39,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-
-os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "4000")  # the flight recorder; read when torch starts
 
 import torch
 import torch.distributed as dist
@@ -117,16 +116,28 @@ FLIGHT_CASE = "one rank calls it, plain"  # the case whose flight records the la
 
 
 # ============================================================================ the flight recorder
+def flight_recorder_size() -> int:
+    """The flight recorder's ring buffer size, read as torch 2.13 reads it at the process's first
+    collective (torch/csrc/distributed/c10d/FlightRecorder.hpp): TORCH_FR_BUFFER_SIZE, else its
+    legacy name TORCH_NCCL_TRACE_BUFFER_SIZE, else 2000; 0 switches the recorder off."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return int(value)
+    return 2000
+
+
 def flight_records(group=None, stacks: bool = False) -> list[dict]:
     """This rank's flight-recorder entries for `group` (default: the default group), oldest first.
 
-    torch keeps a ring buffer of the last TORCH_FR_BUFFER_SIZE collectives of every process group
-    (on gloo too, in torch 2.13), each with its sequence number in its group, op, input sizes and
-    the Python stack that issued it. `_dump_fr_trace` is what NCCL's watchdog writes to a file on a
-    timeout; on gloo nothing dumps it for you, so call it where you catch the error. With
-    `stacks`, each record also says where it was issued ("file:line function"); the first dump
-    with stacks is slow (torch imports its compiler stack to symbolise them: seconds)."""
-    if not os.environ.get("TORCH_FR_BUFFER_SIZE", "0").strip("0"):
+    torch keeps one ring buffer per process of the last `flight_recorder_size()` collectives of
+    all its process groups (on by default, on gloo too, in torch 2.13), each with its sequence
+    number in its group, op, input sizes and the Python stack that issued it. `_dump_fr_trace` is
+    what NCCL's watchdog writes to a file on a timeout; on gloo nothing dumps it for you, so call
+    it where you catch the error. With `stacks`, each record also says where it was issued
+    ("file:line function"); the first dump with stacks is slow (torch imports its compiler stack
+    to symbolise them: seconds). Empty when the recorder is off (a buffer size of 0)."""
+    if flight_recorder_size() <= 0:
         return []
     dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, stacks, False))
     name = (group or dist.group.WORLD).group_name
@@ -157,6 +168,17 @@ def flight_table(records_by_rank: dict[int, list[dict]], last: int = 4) -> list[
                 if hit else "(never issued)"
         rows.append(row)
     return rows
+
+
+def first_parting(records_by_rank: dict[int, list[dict]]) -> tuple[int, dict[int, dict | None]] | None:
+    """The first sequence number at which the ranks' records differ (op or sizes, or a rank that
+    never issued it), with each rank's record there; None if they all agree."""
+    seqs = sorted({r["seq"] for recs in records_by_rank.values() for r in recs})
+    for seq in seqs:
+        here = {rank: next((r for r in recs if r["seq"] == seq), None) for rank, recs in records_by_rank.items()}
+        if len({repr((r["op"], r["sizes"]) if r else None) for r in here.values()}) > 1:
+            return seq, here
+    return None
 
 
 # ============================================================================ running the cases
@@ -303,6 +325,17 @@ def main_thread_stack(dump: str) -> str:
     return "\n".join(keep) or dump
 
 
+def waiting_in(dump: str) -> tuple[str, str] | None:
+    """(collective, lab function that called it) at the top of a rank's stack dump, from
+    faulthandler ('File "...", line N in f', innermost first) or py-spy ('f (file:N)')."""
+    frames = re.findall(r'File "([^"]+)", line \d+ in (\w+)', dump) or \
+        [(f, name) for name, f in re.findall(r"^\s+(\w+) \(([^():]+):\d+\)", dump, flags=re.M)]
+    collective = next((name for f, name in frames if f.endswith("distributed_c10d.py")
+                       and not name.startswith("_") and name != "wrapper"), None)
+    caller = next((name for f, name in frames if f.endswith(Path(__file__).name)), None)
+    return (collective, caller) if collective and caller else None
+
+
 def faulthandler_dumps(output: str, nproc: int) -> dict[int, str]:
     """Each rank's SIGUSR1 dump from the launch's output (lines labelled "[rankN]:")."""
     dumps: dict[int, list[str]] = {}
@@ -375,7 +408,7 @@ def main(argv: list[str]) -> None:
         clinic = hang_clinic(ctx.rank)
         overhead = detail_overhead(pick(200, 50))
         ctx.report(clinic=clinic, detail_overhead=overhead, torch_version=torch.__version__,
-                   fr_buffer=os.environ.get("TORCH_FR_BUFFER_SIZE"))
+                   fr_buffer=flight_recorder_size())
         records = [None] * ctx.world_size
         dist.all_gather_object(records, {"clinic": clinic})
         if ctx.rank == 0:

@@ -73,11 +73,62 @@ def test_torchrun_summary_parsers():
 def test_plants_are_seeded_and_cover_every_bug():
     assert [lab10_diagnose.plant(s) for s in range(40)] == [lab10_diagnose.plant(s) for s in range(40)]
     assert set(lab10_diagnose.plant(s) for s in range(200)) == set(lab10_diagnose.BUGS)
-    for seed in range(20):
+    forms = set()
+    for seed in range(60):
         for world in (2, 3, 4):
             cfg = lab10_diagnose.job_config(seed, world)
             assert cfg["size"] == cfg["local_batch"] * cfg["steps_per_epoch"] * world
-            assert 1 <= cfg["bug_step"] < 2 * cfg["steps_per_epoch"] - 1
+            assert 1 <= cfg["bug_step"] < cfg["epochs"] * cfg["steps_per_epoch"] - 1
+            assert 0 <= cfg["odd_rank"] < world
+            assert "broadcast" not in cfg["order"] or cfg["odd_rank"] == 0, "a broadcast from a rank in step"
+            forms.add((cfg["lone_op"], cfg["order"], cfg["every_rank"], cfg["epochs"]))
+    assert {f[0] for f in forms} == set(lab10_diagnose.LONE_OPS)
+    assert {f[1] for f in forms} == set(lab10_diagnose.ORDER_PAIRS)
+    assert {f[2] for f in forms} == {True, False} and {f[3] for f in forms} == {2, 3}
+
+
+def test_public_jobs_show_each_bug_in_the_forms_that_defeat_shortcuts():
+    """The public diagnose jobs must keep catching the shortcuts their messages name (the seeds
+    were picked for these forms: a change to job_config must pick them again)."""
+    from tests.public.test_lab10_debugging import JOBS
+
+    cfg = {(bug, seed, world): lab10_diagnose.job_config(seed, world) for bug, seed, world in JOBS}
+    forms = lambda bug: [(world, c) for (b, _, world), c in cfg.items() if b == bug]  # noqa: E731
+    for bug in lab10_diagnose.BUGS:
+        assert {world for world, _ in forms(bug)} >= {2, 3}, f"{bug}: on 2 and on 3 ranks"
+    # the rank blamed is not the culprit: a lone collective on a rank other than 0
+    assert any(c["odd_rank"] != 0 for _, c in forms("collective_on_one_rank"))
+    # the error text does not tell the hangs apart: enough jobs that some time out in each bug
+    assert len(forms("collectives_in_different_orders")) >= 4
+    assert {c["lone_op"] for _, c in forms("collective_on_one_rank")} == set(lab10_diagnose.LONE_OPS)
+    assert len({c["order"] for _, c in forms("collectives_in_different_orders")}) >= 3
+    # ranks 0 and 1 agree, rank 2 alone differs
+    for bug in ("different_initialisation", "random_state"):
+        assert any(world == 3 and not c["every_rank"] and c["odd_rank"] == 2 for world, c in forms(bug)), bug
+    # the same shard everywhere as well as the whole dataset
+    assert {c["every_rank"] for _, c in forms("no_distributed_sampler")} == {True, False}
+    # a logged loss that rank 0 did not compute itself
+    assert any(not c["every_rank"] and c["odd_rank"] != 0 for _, c in forms("loss_logged_from_one_rank"))
+    assert any(c["epochs"] == 3 for _, c in forms("no_set_epoch"))
+
+
+def test_hidden_jobs_are_other_jobs():
+    hidden = pytest.importorskip("tests.hidden.test_lab10_debugging")  # not in the student edition
+    from tests.public.test_lab10_debugging import JOBS
+
+    public = {seed for _, seed, _ in JOBS}
+    assert not public & ({seed for _, seed, _ in hidden.JOBS} | {seed for seed, _ in hidden.RANDOM_JOBS})
+    assert {world for _, _, world in hidden.JOBS} == {2, 3, 4}
+
+
+def test_flight_recorder_size_reads_the_variables_as_torch_does(monkeypatch):
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert lab10_hangs.flight_recorder_size() == 2000  # on by default (FlightRecorder.hpp)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "30")
+    assert lab10_hangs.flight_recorder_size() == 30
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    assert lab10_hangs.flight_recorder_size() == 0 and lab10_hangs.flight_records() == []
 
 
 def test_count_collectives_counts_inputs_and_pauses():
@@ -169,7 +220,7 @@ def test_clinic_each_tool_says_what_it_should(runs):
 def test_flight_recorder_shows_the_extra_collective(runs):
     job = get(runs, "hung")
     flight = {r: job.result.results[r]["clinic"]["one rank calls it, plain"]["flight"] for r in (0, 1)}
-    assert flight[0] and flight[1], "the flight recorder recorded nothing (TORCH_FR_BUFFER_SIZE)"
+    assert flight[0] and flight[1], "the flight recorder recorded nothing (is TORCH_FR_BUFFER_SIZE=0 set?)"
     last0, last1 = flight[0][-1], flight[1][-1]
     assert last0["op"] == "all_reduce" and last0["sizes"] == [[1]]
     assert last1["op"] == "broadcast" and last1["seq"] == last0["seq"]
@@ -214,11 +265,19 @@ def test_data_symptoms(runs):
                                     "DDP + all_reduce(grad)": n, "DDP + loss / N": 1 / n}, rel=1e-4)
     lr = list(out["learning rate"].values())
     assert lr[1]["loss"] > lr[0]["loss"] and lr[2]["loss"] < lr[1]["loss"], lr
+    gap = {k: v["parameter gap to the healthy run"] / v["parameter change in the healthy run"]
+           for k, v in out["gradients x N, by optimizer"].items()}
+    assert gap["SGD"] > 0.1 and gap["Adam"] < 1e-4, gap  # SGD's steps grow N times, Adam's barely change
+    ag = out["all_gather backward"]  # torch's backward is wrong on gloo for a transposed gradient
+    size = ag["gradient size (max |reference|)"]
+    assert ag["torch.distributed.nn.functional.all_gather"] > 0.1 * size, ag
+    assert ag["the same, gradient made contiguous"] < 1e-5 * size, ag
+    assert ag["an autograd function of our own (reduce-scatter)"] < 1e-5 * size, ag
 
 
 def test_mystery_jobs_report_what_diagnose_reads(runs):
     res = get(runs, "silent").rank0
-    for (bug, _), out in zip(res["jobs"], res["outputs"]):
+    for (bug, _, _), out in zip(res["jobs"], res["outputs"]):
         job = lab10_diagnose.outputs_from_dict(out)
         assert bool(job.error) == (bug in ("collective_on_one_rank", "collectives_in_different_orders")), bug
         for rep in job.reports.values():
