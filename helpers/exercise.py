@@ -17,6 +17,10 @@ there is a bug. Labs do the same for one part of their run with `attempt(...)`, 
 part's result or an `{"unsolved": message}` record the notebook later turns back into a notice
 with `solved(...)`.
 
+One notice per exercise: a notebook cell shows each exercise's notice once, however many of its
+results need that exercise, and a process (a lab's rank, a terminal run) prints its "[not done
+yet]" line once per exercise.
+
 Stdlib only: the homework tooling and the test harness import this without torch.
 """
 from __future__ import annotations
@@ -89,15 +93,44 @@ def notice_html(message: str) -> str:
             f'color: #333; padding: 8px 12px; margin: 4px 0;"><b>Exercise not done yet.</b> {body}</div>')
 
 
-def show_notice(message: str) -> None:
-    """A visible notice: a coloured box in a notebook, one line on a terminal."""
-    text = notice_text(message)
+def exercise_name(message: str) -> str:
+    """The exercise a stub's message names ("ring_all_reduce"), or the message itself."""
+    fields = _STUB_FIELDS.search(message)
+    return fields["name"] if fields else message
+
+
+_shown: set[tuple[int | None, str]] = set()   # (cell or None, exercise): notices shown so far
+
+
+def _notebook_cell() -> int | None:
+    """The execution count of the notebook cell running now, or None outside a notebook kernel."""
     try:
         from IPython import get_ipython
-        in_notebook = get_ipython().__class__.__name__ == "ZMQInteractiveShell"
     except ImportError:
-        in_notebook = False
-    if not in_notebook:
+        return None
+    shell = get_ipython()
+    if shell.__class__.__name__ != "ZMQInteractiveShell":
+        return None
+    return int(shell.execution_count)
+
+
+def _first_time(message: str, cell: int | None) -> bool:
+    """True the first time this exercise's notice comes up in `cell` (None: in this process)."""
+    key = (cell, exercise_name(message))
+    if key in _shown:
+        return False
+    _shown.add(key)
+    return True
+
+
+def show_notice(message: str) -> None:
+    """A visible notice: a coloured box in a notebook, one line on a terminal. Once per exercise:
+    per notebook cell (the kernel's execution count) in a notebook, per process elsewhere."""
+    cell = _notebook_cell()
+    if not _first_time(message, cell):
+        return
+    text = notice_text(message)
+    if cell is None:
         print(f"[not done yet] {text}", flush=True)
         return
     from IPython.display import display
@@ -123,14 +156,17 @@ def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     For labs that run several parts: the parts that need no exercise still run and report, and the
     notebook shows a notice for this one (`solved(...)`). Every rank must call it (the stub raises
-    on every rank alike, so no rank is left waiting in a collective)."""
+    on every rank alike, so no rank is left waiting in a collective). The process prints its "[not
+    done yet]" line once per exercise; in a notebook kernel it prints nothing (the cell that uses
+    the record shows the notice)."""
     try:
         return fn(*args, **kwargs)
     except Exception as exc:
         message = unsolved_message(exc)
         if not message or not student_edition():
             raise
-        print(f"[not done yet] {notice_text(message)}", flush=True)
+        if _notebook_cell() is None and _first_time(message, None):
+            print(f"[not done yet] {notice_text(message)}", flush=True)
         return {"unsolved": message}
 
 

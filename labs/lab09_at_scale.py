@@ -17,8 +17,10 @@ import itertools
 from dataclasses import asdict, replace
 
 from helpers.comm_bench import LINK_BYTES_PER_S
+from helpers.exercise import attempt
 from labs.lab09_planner import (A100_SELENE, GB, ClusterSpec, ModelSpec, ParallelConfig, axis_link,
                                 check_config, narayanan_flops, plan_memory, plan_step_time)
+from labs.lab09_schedules import pipeline_timing
 
 # ================================================================= published hardware and runs
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s dense bf16, 80 GB HBM3, NVLink 900 GB/s
@@ -56,19 +58,32 @@ def mfu(model: ModelSpec, cluster: ClusterSpec, gpus: int, step_seconds: float) 
     return narayanan_flops(model, recompute=False) / (gpus * cluster.peak_flops * step_seconds)
 
 
+def published_chunks(layers_per_stage: int) -> int:
+    """Model chunks per rank (v) we give a row of table 1: the smallest v >= 2 that divides a
+    stage's layers (Megatron-LM needs whole layers per chunk). The paper ran the interleaved
+    schedule but does not print v: this is our assumption."""
+    return next((v for v in range(2, layers_per_stage + 1) if layers_per_stage % v == 0), 1)
+
+
 def published_comparison(micro_batch: int = 1, cluster: ClusterSpec = A100_SELENE) -> list[dict]:
     """Each row of Narayanan et al.'s table 1 (published) beside the planner's prediction for that
-    configuration: their t, p, GPUs and batch, full recomputation (as they ran), 1F1B, ZeRO 0,
-    micro-batches of `micro_batch` sequences (the table does not give theirs)."""
+    configuration, run as they ran it (sec. 5.1): their t, p, GPUs and batch, full recomputation,
+    the interleaved schedule with the scatter/gather optimisation (the planner's pipeline messages
+    are 1/t of an activation) where p > 1, ZeRO 0. The table gives neither the chunks per rank nor
+    the micro-batch size: `published_chunks` and micro-batches of `micro_batch` sequences are our
+    assumptions (columns v and b)."""
     rows = []
     for billions, heads, hidden, layers, t, p, gpus, batch, tflops, peak_pct in NARAYANAN_2021_TABLE1:
         model = ModelSpec(f"GPT {billions}B", layers, hidden, heads, 2048, 51200, batch)
         dp = gpus // (t * p)
+        v = published_chunks(layers // p) if p > 1 else 1
         config = ParallelConfig(dp=dp, tp=t, pp=p, micro_batches=batch // (dp * micro_batch),
-                                recompute="full", sequence_parallel=False)
+                                recompute="full", sequence_parallel=False,
+                                schedule="interleaved 1F1B" if v > 1 else "1F1B", virtual_stages=v)
         plan = plan_step_time(model, cluster, config)
         predicted = narayanan_flops(model) / gpus / plan.total / 1e12
-        rows.append({"model": model.name, "t": t, "p": p, "d": dp, "GPUs": gpus, "batch": batch,
+        rows.append({"model": model.name, "t": t, "p": p, "d": dp, "v": v if p > 1 else "-", "b": micro_batch,
+                     "GPUs": gpus, "batch": batch,
                      "published TFLOP/s/GPU": tflops, "predicted TFLOP/s/GPU": predicted,
                      "predicted / published": predicted / tflops,
                      "bubble %": 100 * plan.bubble / plan.total,
@@ -128,8 +143,12 @@ MODELS = {"7B": GPT_7B, "70B": GPT_70B}
 def explore(model_name: str, gpus: int, tp: int, pp: int, zero_stage: int, recompute: str,
             schedule: str, micro_batch: int = 1, cluster: ClusterSpec = H100_CLUSTER) -> dict:
     """What the notebook's explorer shows for one configuration of MODELS[model_name]: {"error":
-    why it does not split, or None; "config"; "memory" and "time" rows (GB, seconds) and "summary"
-    (fits, step time, MFU, tokens/s)}. Interleaving uses v = 2; sequence parallelism when tp > 1."""
+    why it does not split, or None; "config"; what needs no exercise: "links" (`axis_links`) and
+    "schedule" (the simulated bubble / ideal time with t_B = 2 t_F and free messages, and the
+    micro-batches stage 0 holds); then the planner's "memory" and "time" rows (GB, seconds) and
+    "summary" (fits, step time, MFU, tokens/s), or, while `plan_memory` or `plan_step_time` is
+    still a stub (student edition), "unsolved": its message}. Interleaving uses v = 2; sequence
+    parallelism when tp > 1."""
     model = MODELS[model_name]
     if gpus % (tp * pp):
         return {"error": f"{gpus} GPUs are not a multiple of tp x pp = {tp * pp}"}
@@ -142,10 +161,19 @@ def explore(model_name: str, gpus: int, tp: int, pp: int, zero_stage: int, recom
                             sequence_parallel=tp > 1, schedule=schedule if pp > 1 else "1F1B",
                             virtual_stages=2 if schedule == "interleaved 1F1B" and pp > 1 else 1)
     try:
-        memory, time = plan_memory(model, config), plan_step_time(model, cluster, config)
+        check_config(model, config)
     except ValueError as exc:
         return {"error": str(exc)}
-    return {"error": None, "config": asdict(config),
+    timing = {"bubble_ratio": 0.0, "peak_held": 1.0}
+    if pp > 1:
+        timing = pipeline_timing(config.schedule, pp, config.micro_batches, 1.0, 2.0, config.virtual_stages)
+    out = {"error": None, "config": asdict(config), "links": axis_links(cluster, config),
+           "schedule": {"bubble / ideal": timing["bubble_ratio"], "held on stage 0": timing["peak_held"]}}
+    plans = attempt(lambda: (plan_memory(model, config), plan_step_time(model, cluster, config)))
+    if isinstance(plans, dict):           # {"unsolved": message}: the planner is still an exercise
+        return {**out, **plans}
+    memory, time = plans
+    return {**out,
             "memory": {"parameters": memory.parameters / GB, "gradients": memory.gradients / GB,
                        "optimizer state": memory.optimizer_state / GB, "activations": memory.activations / GB},
             "time": {"compute": time.compute, "tensor parallel": time.tp_comm, "pipeline messages": time.pp_comm,
@@ -155,20 +183,32 @@ def explore(model_name: str, gpus: int, tp: int, pp: int, zero_stage: int, recom
                         "tokens/s": model.global_batch * model.seq / time.total}}
 
 
+AXES = (("tensor", "tp"), ("pipeline", "pp"), ("data", "dp"))
+
+
+def axis_links(cluster: ClusterSpec, config: ParallelConfig) -> list[dict]:
+    """Per axis: its group size, the link its group crosses (`axis_link`: ranks laid out tp
+    fastest, then dp, then pp) and that link's bandwidth per direction and latency per step."""
+    rows = []
+    for axis, key in AXES:
+        latency, bandwidth = axis_link(cluster, config, key)
+        inside = (latency, bandwidth) == (cluster.intra_latency_s, cluster.intra_bytes_per_s)
+        rows.append({"axis": axis, "group size": getattr(config, key),
+                     "link": "inside a node" if inside else "between nodes",
+                     "GB/s of that link": bandwidth / GB, "us per step": latency * 1e6})
+    return rows
+
+
 def axis_rows(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig) -> list[dict]:
     """Where each parallelism goes: per axis, the link its group crosses, the bytes one GPU sends
     per step and the seconds they take there, from the planner."""
     time = plan_step_time(model, cluster, config)
-    rows = []
-    for axis, sent, seconds in (("tensor", time.tp_bytes, time.tp_comm), ("pipeline", time.pp_bytes, time.pp_comm),
-                                ("data", time.dp_bytes, time.dp_comm)):
-        key = {"tensor": "tp", "pipeline": "pp", "data": "dp"}[axis]
-        _, bandwidth = axis_link(cluster, config, key)
-        link = "inside a node" if bandwidth == cluster.intra_bytes_per_s else "between nodes"
-        rows.append({"axis": axis, "group size": getattr(config, key), "link": link,
-                     "GB sent per GPU per step": sent / GB, "exposed s": seconds,
-                     "GB/s of that link": bandwidth / GB})
-    return rows
+    sent = {"tensor": (time.tp_bytes, time.tp_comm), "pipeline": (time.pp_bytes, time.pp_comm),
+            "data": (time.dp_bytes, time.dp_comm)}
+    return [{"axis": row["axis"], "group size": row["group size"], "link": row["link"],
+             "GB sent per GPU per step": sent[row["axis"]][0] / GB, "exposed s": sent[row["axis"]][1],
+             "GB/s of that link": row["GB/s of that link"]}
+            for row in axis_links(cluster, config)]
 
 
 def with_tp_across_nodes(config: ParallelConfig, cluster: ClusterSpec) -> ClusterSpec:
@@ -178,7 +218,7 @@ def with_tp_across_nodes(config: ParallelConfig, cluster: ClusterSpec) -> Cluste
 
 def main() -> None:
     from helpers.dist import distributed
-    from helpers.exercise import attempt, notice_if_unsolved, solved
+    from helpers.exercise import notice_if_unsolved, solved
     from helpers.show import table
 
     with distributed() as ctx:

@@ -12,7 +12,7 @@ with the manual frontend of notebook 06 (`PipelineStage`: each stage keeps only 
 - `ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn)`: rank r holds stages r and r + 2
   (Narayanan et al. 2021, arXiv:2104.04473);
 - `ScheduleZBVZeroBubble(stages, n_microbatches, loss_fn)`: exactly 2 stages per rank in a V,
-  rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (Qi et al. 2023, arXiv:2401.10241, sec. 6):
+  rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (Qi et al. 2024, ICLR, arXiv:2401.10241, sec. 6):
   the first and last stage are on rank 0, which passes both the batch and the targets. Its
   backward is split into input gradients (torch's "I") and weight gradients ("W").
 

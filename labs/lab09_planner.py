@@ -16,6 +16,10 @@ pipeline schedule keeps in flight (the simulator of `labs/lab09_schedules.py`). 
 collective at the alpha-beta cost of notebook 04 on the link its group crosses
 (`collective_seconds`), the pipeline's bubble from the same simulator, and the data-parallel
 gradient traffic at the end of the step. Nothing overlaps: communication is all exposed.
+What memory it leaves out (exact on this course's CPU/fp32 runs, not on a GPU cluster): the
+logits and the loss on the last stage, that stage's copy of the tied embedding, ZeRO-3's gathered
+units while they are alive, communication buffers, the CUDA context and the allocator's
+fragmentation.
 
 Exercise (homework): `plan_memory(model, config)` and `plan_step_time(model, cluster, config)`.
 Check them with ./run.sh check 09.

@@ -11,7 +11,7 @@ Notebook 06 gave every pipeline stage a device of its own. The schedules here br
   pipeline of p*v stages. A micro-batch visits every rank v times, each time for 1/v of its
   layers, so filling and draining the pipeline takes 1/v as long: the bubble falls from (p-1)/m
   to (p-1)/(v m) of the ideal step time, for v times as many point-to-point messages.
-- **zero bubble** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241): a
+- **zero bubble** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv:2401.10241): a
   backward splits into B, the gradient of the stage's input (the previous stage waits for it),
   and W, the gradient of its weights (nobody waits for it). W's fill the holes of the bubble.
   ZB-H1 holds no more than 1F1B's peak (p micro-batches) on any stage and, when F, B and W take
@@ -113,7 +113,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> sched.Schedule:
-    """ZB-H1 (Qi et al. 2023, sec. 3), in notebook 06's format with kinds "F", "B", "W".
+    """ZB-H1 (Qi et al. 2024, sec. 3), in notebook 06's format with kinds "F", "B", "W".
 
     Stage s runs 1F1B's forwards and backwards (p - s - 1 warm-up forwards, then one forward and
     one backward), and after each backward the W of the micro-batch s backwards earlier: its W's

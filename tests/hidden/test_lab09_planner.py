@@ -1,12 +1,16 @@
 """Hidden tests of lab 09's exercises: `plan_memory` and `plan_step_time` (labs/lab09_planner.py).
 
 Other sizes and configurations than the public tests (interleaving, sequence parallelism, full
-recomputation, 8-way tensor parallelism across nodes, ZeRO-3 with gradient accumulation), and
-the invariants a planner must keep: memory falls with every ZeRO stage, the bubble is the
-schedule simulator's, each communication term scales as its formula (bytes with the sizes,
-time with the link), and the traffic agrees with notebook 08's per-step accounting.
+recomputation, 8-way tensor parallelism across nodes, ZeRO-3 with gradient accumulation, mixed
+precisions, groups that cross nodes), and the invariants a planner must keep: memory falls with
+every ZeRO stage, the bubble is the schedule simulator's, each communication term scales as its
+formula (bytes with the sizes, time with the link), and the traffic agrees with notebook 08's
+per-step accounting. Each term the public tests check one at a time is checked here too, at other
+sizes, so a planner that drops one fails here as well.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -21,7 +25,6 @@ CLUSTER = pl.ClusterSpec("test", gpus_per_node=8, memory_bytes=1e10, peak_flops=
 
 
 def dp_only(config: pl.ParallelConfig) -> pl.ParallelConfig:
-    from dataclasses import replace
     return replace(config, param_bytes=4, grad_bytes=4)
 
 
@@ -93,8 +96,6 @@ def test_pipeline_messages_follow_v_and_tp():
 @pytest.mark.points(2)
 def test_communication_scales_as_the_formulas():
     """Bandwidth terms: bytes scale with b and with 1/(tp pp); time halves when bandwidth doubles."""
-    from dataclasses import replace
-
     free = replace(CLUSTER, intra_latency_s=0.0, inter_latency_s=0.0)
     fast = replace(free, intra_bytes_per_s=2 * free.intra_bytes_per_s, inter_bytes_per_s=2 * free.inter_bytes_per_s)
     config = pl.ParallelConfig(dp=2, tp=4, micro_batches=2)
@@ -133,3 +134,77 @@ def test_recomputation_costs_compute():
     flops_per_s = CLUSTER.flops_per_s
     assert plans["full"].compute - plans["none"].compute == pytest.approx(4 * L * MODEL.layer_forward_flops(b) / flops_per_s)
     assert plans["selective"].compute - plans["none"].compute == pytest.approx(4 * L * 4 * b * s * s * h / flops_per_s)
+
+
+@pytest.mark.exercise("plan_memory")
+def test_memory_activations_take_the_configs_precision_and_dropout():
+    """fp32 activations without dropout, with and without sequence parallelism; one stage holds one micro-batch."""
+    for options in ({}, {"sequence_parallel": True, "recompute": "selective"}):
+        config = pl.ParallelConfig(dp=2, tp=4, micro_batches=4, activation_bytes=4, dropout=False, **options)
+        plan = pl.plan_memory(MODEL, config)
+        per_layer = pl.activation_bytes_per_layer(32, 8, 64, 8, tp=4, element_bytes=4, dropout=False, **options)
+        assert plan.activations == pytest.approx(8 * per_layer), (options, plan.activations, 8 * per_layer)
+        assert plan.microbatches_in_flight == 1, "one stage: gradient accumulation holds one micro-batch"
+
+
+@pytest.mark.exercise("plan_step_time")
+def test_compute_splits_over_tp_and_pp():
+    """Compute: L/pp layers and 1/pp of the output layer, over tp, backward twice the forward; recomputation over tp too."""
+    config = pl.ParallelConfig(dp=2, tp=2, pp=4, micro_batches=4)            # b = 8
+    plan = pl.plan_step_time(MODEL, CLUSTER, config)
+    F = CLUSTER.flops_per_s
+    forward = (2 * MODEL.layer_forward_flops(8) + MODEL.logits_forward_flops(8) / 4) / 2 / F
+    assert plan.compute == pytest.approx(4 * 3 * forward), (plan.compute, 4 * 3 * forward)
+    full = pl.plan_step_time(MODEL, CLUSTER, replace(config, recompute="full"))
+    assert full.compute - plan.compute == pytest.approx(4 * 2 * MODEL.layer_forward_flops(8) / 2 / F)
+
+
+@pytest.mark.exercise("plan_step_time")
+def test_each_axis_on_its_own_link():
+    """A dp group larger than a node crosses nodes while tp stays inside; pipeline neighbours too far apart cross nodes."""
+    inter = (CLUSTER.inter_latency_s, CLUSTER.inter_bytes_per_s)
+    intra = (CLUSTER.intra_latency_s, CLUSTER.intra_bytes_per_s)
+    config = pl.ParallelConfig(dp=8, tp=2, micro_batches=2)                   # dp spans 16 GPUs
+    plan = pl.plan_step_time(MODEL, CLUSTER, config)
+    grads = pl.plan_memory(MODEL, config).params_per_gpu * 2
+    assert plan.dp_comm == pytest.approx(pl.collective_seconds("all_reduce", grads, 8, *inter))
+    activation = 4 * 32 * 64 * 2
+    want_tp = 8 * 4 * pl.collective_seconds("all_reduce", activation, 2, *intra) * 2
+    assert plan.tp_comm == pytest.approx(want_tp)
+    config = pl.ParallelConfig(dp=2, tp=4, pp=2, micro_batches=4)             # neighbours 8 GPUs apart
+    plan = pl.plan_step_time(MODEL, CLUSTER, config)
+    grads = pl.plan_memory(MODEL, config).params_per_gpu * 2
+    assert plan.dp_comm == pytest.approx(pl.collective_seconds("all_reduce", grads, 2, *intra))
+    assert plan.pp_comm == pytest.approx(4 * 2 * pl.p2p_seconds(8 * 32 * 64 * 2 / 4, *inter))
+
+
+@pytest.mark.exercise("plan_step_time")
+@pytest.mark.parametrize("options", [{}, {"recompute": "full"}, {"sequence_parallel": True, "recompute": "full"}])
+def test_tensor_parallel_time_in_forward_and_backward(options):
+    """tp collectives from tp_collectives_per_layer, forward ones in t_forward and backward ones in t_backward."""
+    config = pl.ParallelConfig(dp=2, tp=4, micro_batches=2, **options)       # b = 16
+    plan = pl.plan_step_time(MODEL, CLUSTER, config)
+    link = (CLUSTER.intra_latency_s, CLUSTER.intra_bytes_per_s)
+    activation = 16 * 32 * 64 * 2
+    kinds = pl.tp_collectives_per_layer(config)
+    phase = {k: 8 * sum(pl.collective_seconds(c, activation, 4, *link) for c in v) for k, v in kinds.items()}
+    assert plan.tp_comm == pytest.approx(2 * (phase["forward"] + phase["backward"])), (plan.tp_comm, phase)
+    F = CLUSTER.flops_per_s
+    forward = (8 * MODEL.layer_forward_flops(16) + MODEL.logits_forward_flops(16)) / 4 / F
+    assert plan.t_forward == pytest.approx(forward + phase["forward"])
+    assert plan.t_backward - plan.t_forward == pytest.approx(plan.compute / 2 - 2 * forward + phase["backward"]
+                                                             - phase["forward"])
+
+
+@pytest.mark.exercise("plan_step_time")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_gathers_parameters_not_gradients(stage):
+    """ZeRO 1 and 2 with fp32 gradients and bf16 parameters: a reduce-scatter of the gradients, an all-gather of the parameters."""
+    config = pl.ParallelConfig(dp=4, tp=2, micro_batches=2, zero_stage=stage, grad_bytes=4, param_bytes=2)
+    plan = pl.plan_step_time(MODEL, CLUSTER, config)
+    params = pl.plan_memory(MODEL, config).params_per_gpu
+    assert plan.dp_bytes == pytest.approx(0.75 * params * (4 + 2)), (plan.dp_bytes, params)
+    link = (CLUSTER.intra_latency_s, CLUSTER.intra_bytes_per_s)
+    want = (pl.collective_seconds("reduce_scatter", 4 * params, 4, *link)
+            + pl.collective_seconds("all_gather", 2 * params, 4, *link))
+    assert plan.dp_comm == pytest.approx(want)
