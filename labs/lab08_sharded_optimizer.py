@@ -69,11 +69,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
       new parameters get owners by the rule above.
 
     The tests check the parameters against the unsharded optimizer in one process after several
-    steps (Adam, SGD with momentum, groups with different hyper-parameters, 2 to 4 ranks, tied
-    and uneven parameters), that every rank ends with the same parameters, and that each rank's
-    optimizer holds about 1/N of the state: they add up every tensor reachable from your
-    optimizer object (whatever you call the attributes) apart from the parameters themselves.
-    A "sharded" optimizer that keeps the full state on every rank fails.
+    steps (Adam, AdamW, SGD with momentum, groups with different hyper-parameters, a group added
+    later, an LR scheduler, tied and uneven parameters, a parameter count that the number of
+    ranks does not divide, a rank that owns nothing; 2 to 4 ranks), that every rank ends with
+    the same parameters, that `param_groups` lists every parameter and `zero_grad()` clears
+    every gradient, that step() sends nothing but one broadcast of each parameter, and that
+    each rank's optimizer holds the state of the elements the owner rule gives it: they add up
+    every tensor reachable from your optimizer object (whatever you call the attributes) apart
+    from the parameters themselves. A "sharded" optimizer that keeps the full state on every
+    rank fails.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
@@ -129,9 +133,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         `reduce_scatter_single` (helpers.comm_bench) sums part r into rank r; divide by N. Then
         the parameters this rank owns get their averaged gradients (views into the received
         part are fine) and every other parameter's `.grad` becomes None: this rank never needs
-        it, and dropping it is ZeRO-2's memory saving. A gradient that is None counts as zeros;
-        all gradients share one dtype and device. Sent per rank: (N-1)/N of the buffer, half an
-        all-reduce's.
+        it. A gradient that is None counts as zeros; all gradients share one dtype and device.
+
+        Sent per rank: (N-1)/N of the buffer, half of what an all-reduce of the gradients sends
+        when the ranks' parts are equal (the padding costs more when one parameter dominates).
+        The tests count it, so an all-reduce followed by dropping the others' gradients fails.
+        Memory: from this call to the next backward a rank holds its own part of the gradients,
+        about 1/N. The peak
+        is not lower: every full gradient exists at the end of backward (and the packed buffer
+        next to them during this call). ZeRO-2 proper lowers the peak too by reduce-scattering
+        each bucket of gradients while backward still runs and freeing it at once (notebook 08,
+        section 3: at most one unit's full gradients alive).
         """
         ### BEGIN SOLUTION
         params = [p for group in self.param_groups for p in group["params"]]
@@ -175,8 +187,15 @@ def optimizer_held(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
     return held["optimizer"]
 
 
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the storages behind the model's gradients (a shared buffer counted once)."""
+    return held_bytes({"gradients": [p.grad for p in model.parameters()]})["gradients"]
+
+
 def train_sharded(model: nn.Module, batches: list, device: torch.device, stretch: bool) -> dict:
-    """Adam through ShardedOptimizer; gradients averaged by all-reduce, or by reduce_gradients."""
+    """Adam through ShardedOptimizer; gradients averaged by all-reduce, or by reduce_gradients.
+    Reports the last step's collectives (and the bytes sent per kind), and the gradient bytes
+    this rank holds right after backward and after the averaging."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = copy.deepcopy(model).to(device)
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=LR)
@@ -185,13 +204,20 @@ def train_sharded(model: nn.Module, batches: list, device: torch.device, stretch
             optimizer.zero_grad()
             F.mse_loss(model(my_rows(x, rank, world_size).to(device)),
                        my_rows(y, rank, world_size).to(device)).backward()
+            after_backward = gradient_bytes(model)
             if stretch:
                 optimizer.reduce_gradients()  # ZeRO-2: each rank receives its own gradients only
             else:
                 average_gradients(model)
+            after_averaging = gradient_bytes(model)
             optimizer.step()
+    sent_by_kind: dict[str, float] = {}
+    for c in log:
+        sent_by_kind[c.kind] = sent_by_kind.get(c.kind, 0.0) + c.sent_bytes
     return {"params": [p.detach().clone() for p in model.parameters()],
-            "optimizer_bytes": optimizer_held(optimizer, model), "collectives": summarize(log)}
+            "optimizer_bytes": optimizer_held(optimizer, model), "collectives": summarize(log),
+            "sent_by_kind": sent_by_kind, "gradient_bytes_after_backward": after_backward,
+            "gradient_bytes_after_averaging": after_averaging}
 
 
 def train_zero_redundancy(model: nn.Module, batches: list, device: torch.device) -> dict:

@@ -27,7 +27,8 @@ Every rank trains the same model with each stage on its rows of each global batc
 parameters with one process trained on the whole batch, and reports the bytes it held at the
 optimizer step (parameters, gradients, optimizer state: each tensor storage counted once), the
 collectives one step issued (counted at the process group, so anything issued from Python is
-seen), and, for stage 3, how many gathered parameter bytes were alive at once.
+seen), for stage 2, how many bytes of full gradients were alive at once during backward, and,
+for stage 3, how many gathered parameter bytes were alive at once.
 """
 from __future__ import annotations
 
@@ -214,6 +215,7 @@ class ZeroDataParallel:
         self.shards = [self._shard(unit) for unit in self.units]  # what this rank's optimizer updates
         self.optimizer = optimizer_cls(self.shards, **optimizer_kwargs)
         self.held_at_step: dict[str, int] = {}
+        self.full_grad_peak = 0  # stage 2: most bytes of full gradients alive at once in backward
 
     def _shard(self, unit: FlatUnit) -> nn.Parameter:
         flat = unit.flatten(p.detach() for p in unit.module.parameters())  # (padded,)
@@ -299,6 +301,8 @@ class ZeroDataParallel:
         if unit.ready < len(params):
             return
         unit.ready = 0
+        alive = sum(p.grad.nbytes for p in self.model.parameters() if p.grad is not None)
+        self.full_grad_peak = max(self.full_grad_peak, alive)
         bucket = unit.flatten(p.grad for p in params)  # (padded,), transient
         for p in params:
             p.grad = None
@@ -376,6 +380,8 @@ def run_stage(stage: int, model: nn.Module, batches: list, reference: list[torch
             "max_diff_vs_one_process": max_diff(params, reference),
             "max_diff_across_ranks": spread_over_ranks(params, group),
             "unit_bytes": [u.padded * 4 for u in zero.units],
+            "unit_grad_bytes": [u.numel * 4 for u in zero.units],
+            "full_grad_peak": zero.full_grad_peak if stage == 2 else None,
             "gathered_peak": gathered_peak if stage == 3 else None,
             "gathered_events": gathered_events if stage == 3 else None}
 

@@ -7,8 +7,8 @@ One launch on 2 ranks (this module is also its worker, at the smoke sizes): ever
 against one process on the whole batch (parameters after 3 Adam steps within 1e-6: only the
 summation order of the two halves' gradients differs), bitwise equal across ranks; memory held
 per rank within 10% of the formula for each of parameters, gradients and optimizer state; the
-collectives of one step and their bytes exactly as the stage prescribes; ZeRO-3's gathered
-parameters alive one unit at a time.
+collectives of one step and their bytes exactly as the stage prescribes; ZeRO-2's full gradients
+and ZeRO-3's gathered parameters alive one unit at a time.
 """
 from __future__ import annotations
 
@@ -133,6 +133,13 @@ def test_zero3_holds_one_unit_of_gathered_parameters_at_a_time(ranks):
     assert events[-1][1] == 0, "gathered parameters still alive after the step"
     kinds = [what.split()[0] for what, _ in events]
     assert kinds == ["gather", "free"] * (2 * units), "a unit was gathered before the last was freed"
+
+
+def test_zero2_holds_one_unit_of_full_gradients_at_a_time(ranks):
+    s = stages(ranks, 0)[2]
+    assert s["full_grad_peak"] == max(s["unit_grad_bytes"]), (
+        f"ZeRO-2: {s['full_grad_peak']} bytes of full gradients alive at once in backward; one "
+        f"unit's are {max(s['unit_grad_bytes'])}")
 
 
 def test_fsdp2_matches_one_process_and_the_hand_built_zero3(ranks):
