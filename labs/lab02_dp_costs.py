@@ -80,6 +80,25 @@ def launch_vs_wait(device: torch.device | str, size: int = 2048, launches: int =
             "ratio": finished / returned}
 
 
+AGREE = 1.1    # the two clocks "agree" within 10%
+QUEUED = 2.0   # on CUDA the calls "returned long before the work finished": at least 2x sooner
+
+
+def launch_note(timing: dict) -> str:
+    """One sentence on a `launch_vs_wait` result, chosen from its numbers (CPU or CUDA device)."""
+    ratio, cuda = timing["ratio"], timing["device"].startswith("cuda")
+    if cuda and ratio >= QUEUED:
+        return (f"the calls returned {ratio:.1f}x sooner than the work finished: a timer without "
+                "synchronize() would have measured the queueing, not the work")
+    if cuda:
+        return (f"not on this run: the calls returned only {ratio:.2f}x sooner than the work "
+                f"finished (expected >= {QUEUED:g}x: the kernels were short, or the GPU busy)")
+    if ratio <= AGREE:
+        return f"CPU ops finish before they return, so both clocks agree (x{ratio:.2f})"
+    return (f"not on this run: the clocks differ (x{ratio:.2f}) although CPU ops finish before "
+            "they return; the machine was busy between the two readings: re-run")
+
+
 def launch_vs_wait_in_subprocess(env: dict[str, str], size: int = 2048, launches: int = 10) -> dict:
     """launch_vs_wait on cuda:0 in a fresh Python with extra `env` (CUDA_LAUNCH_BLOCKING=1 must be
     set before CUDA initialises, so it cannot be switched on inside a running notebook)."""

@@ -330,6 +330,11 @@ def test_a_stub_raised_inside_a_rank_counts_as_not_implemented():
     assert category(excinfo) == ("not_implemented", stub)
     assert category(SimpleNamespace(value=AssertionError("x"), typename="AssertionError"))[0] == "assertion"
     assert category(SimpleNamespace(value=ValueError("x"), typename="ValueError"))[0] == "error"
+    # pytest.fail(...) and pytest.raises' "DID NOT RAISE" are checks that did not hold, not errors
+    assert category(SimpleNamespace(value=Exception("DID NOT RAISE <class 'ValueError'>"),
+                                    typename="Failed"))[0] == "assertion"
+    assert category(SimpleNamespace(value=Exception("Timeout (>120.0s) from pytest-timeout."),
+                                    typename="Failed"))[0] == "timeout"
 
 
 def test_submit_packs_labs_notebooks_and_manifest(tmp_path):

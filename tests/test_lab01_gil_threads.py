@@ -142,6 +142,14 @@ def test_lessons_follow_the_measured_numbers():
     assert "expected" not in capped
 
 
+def test_design_note_is_chosen_from_the_speedups():
+    assert lab.design_note(1.9, 1.0).startswith("Processes beat threads here (1.90x against 1.00x)")
+    not_here = lab.design_note(1.1, 1.0)
+    assert not_here.startswith("Not on this run") and "beat" in not_here
+    assert "not written" in lab.design_note(1.9, None)
+    assert all("notebook 03" in lab.design_note(*s) for s in ((1.9, 1.0), (1.1, 1.0), (1.9, None)))
+
+
 def test_speedup_table_rows_and_argument_checks():
     rows = lab.speedup_table("io", 2, kinds=("thread", "thread"), total=0.04, repeats=1)
     assert [(r["kind"], r["workers"]) for r in rows] == [("serial", 1), ("thread", 2)]

@@ -152,6 +152,15 @@ def test_link_bytes_per_direction_models():
     assert len(set(two.values())) == 1  # with 2 devices all three move C each way
 
 
+def test_launch_note_is_chosen_from_the_clocks():
+    cpu = lambda ratio: {"device": "cpu", "ratio": ratio}
+    cuda = lambda ratio: {"device": "cuda:0", "ratio": ratio}
+    assert "both clocks agree (x1.02)" in costs.launch_note(cpu(1.02))
+    assert costs.launch_note(cpu(1.8)).startswith("not on this run")
+    assert costs.launch_note(cuda(40.0)).startswith("the calls returned 40.0x sooner")
+    assert costs.launch_note(cuda(1.1)).startswith("not on this run")
+
+
 def test_primitive_outcomes_are_explained_as_expected():
     note = costs.primitive_outcome_note(
         "AttributeError: module 'torch._C' has no attribute '_scatter'", cuda_build=False)

@@ -143,6 +143,25 @@ def test_explorer_and_gantt_chart():
 
 
 # -------------------------------------------------------------------------------- model pieces
+def test_bubble_conclusion_is_chosen_from_the_measured_numbers():
+    def run(bubble, span=0.05):  # actions of 1.5 ms; the replay with free messages takes 40 ms
+        return {"bubble": bubble, "forward_seconds": 1e-3, "backward_seconds": 2e-3,
+                "span_seconds": span, "simulated_span_seconds": 0.04}
+
+    say = lambda runs, **kw: " ".join(lab.bubble_conclusion("GPipe", runs, 2, smoke=kw.get("smoke", False),
+                                                            width=64, microbatch_size=8))
+    # issue 25's numbers: the measured bubble rose from m=4 to m=8; it must not claim the trend
+    rose = say({4: run(0.296), 8: run(0.339)})
+    assert "(rose)" in rose and "not on this run" in rose and "follows" not in rose
+    assert "Computing dominates" in rose  # 0.56 ms of waiting per action against 1.5 ms
+    fell = say({1: run(0.55), 8: run(0.34)})
+    assert "fell with m, as the formula says" in fell and "0.23 above it" in fell
+    assert "within 0.02" in say({1: run(0.52), 16: run(0.07)})
+    flat = say({4: run(0.52, span=0.5), 8: run(0.53, span=0.5)}, smoke=True)
+    assert "stayed about the same" in flat and "Messages and waiting dominate" in flat
+    assert "full-size run" in flat
+
+
 def test_stage_split_and_sharded_model_match_whole_model():
     config = lab.PipeConfig(width=8, num_blocks=4, microbatch_size=2, num_microbatches=2)
     assert lab.stage_block_ids(config, 2, 0) == [0, 1]

@@ -75,8 +75,8 @@ def category(excinfo) -> tuple[str, str]:
     stub = unsolved_message(excinfo.value)
     if stub:
         return "not_implemented", stub
-    if excinfo.typename == "Failed" and str(excinfo.value).startswith("Timeout"):
-        return "timeout", ""
+    if excinfo.typename == "Failed":  # pytest.fail(...), pytest.raises' "DID NOT RAISE"
+        return ("timeout" if str(excinfo.value).startswith("Timeout") else "assertion"), ""
     return ("assertion" if isinstance(excinfo.value, AssertionError) else "error"), ""
 
 

@@ -48,7 +48,7 @@ def test_torch_workloads_match_serial_exactly(kind):
 
 
 def test_many_items_keep_their_order_in_processes():
-    """Hundreds of items in processes all come back, in input order."""
+    """Many items in processes all come back, in input order."""
     items = [(seed, 10) for seed in range(500)]
     assert parallel_map(python_work, items, 2, "process") == [python_work(i) for i in items], (
         "500 items in processes: results differ or out of order")
@@ -106,7 +106,7 @@ def test_threads_run_in_this_process_off_the_calling_thread():
 @pytest.mark.points(2)
 @pytest.mark.parametrize("workers", [3, 4])
 def test_threads_run_workers_items_at_once_and_no_more(workers):
-    """kind="thread" runs exactly `workers` items at the same time, never more (3 and 4 workers)."""
+    """kind="thread" runs exactly `workers` items at the same time, never more, for other worker counts."""
     barrier = threading.Barrier(workers, timeout=WAIT_S)  # opens only when `workers` items wait
     lock = threading.Lock()
     running, peak = [0], [0]
@@ -140,7 +140,7 @@ def test_processes_run_in_other_processes():
 
 @pytest.mark.points(2)
 def test_three_processes_run_three_items_at_once():
-    """kind="process" with 3 workers really runs 3 items at the same time."""
+    """kind="process" with more workers really runs `workers` items at the same time."""
     # A Barrier(3) served by a manager process: wait() returns only when three workers wait on it
     # at the same time. operator.methodcaller and the proxy are picklable.
     with multiprocessing.Manager() as manager:

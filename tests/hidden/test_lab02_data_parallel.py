@@ -238,7 +238,7 @@ def test_training_steps_equal_the_plain_module_in_float64(num_replicas, batch_si
 @pytest.mark.exercise("ThreadDataParallel")
 @pytest.mark.points(2)
 def test_parameter_traffic_through_replica_0_is_2C_times_N_minus_1():
-    """last_step.moved reports the right parameter broadcast and gradient reduce bytes, 1-5 replicas."""
+    """last_step.moved reports the parameter broadcast and gradient reduce bytes, for many replica counts."""
     master = make_mlp(16, 2, 4)
     param_bytes = nbytes(master.parameters())
     for num_replicas in (1, 2, 3, 5):

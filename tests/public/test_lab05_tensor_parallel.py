@@ -35,9 +35,9 @@ def results():
                         needs=BACKWARDS if all_stubs else [])
 
 
-def case(results, name, needs):
+def case(results, name, needs, hint=""):
     """Every rank's report for one case. A stub among `needs` makes the test "not implemented
-    yet"; an exception on a rank fails it with that rank's error."""
+    yet"; an exception on a rank fails it with that rank's error (and `hint`, what it likely means)."""
     for backward in needs:
         message = stub_message(backward)
         if message:
@@ -46,7 +46,7 @@ def case(results, name, needs):
     for rank, rep in enumerate(reports):
         if "error" in rep:  # "rank R raised <last line>", as helpers.launch words a failed rank
             last = rep["error"].strip().splitlines()[-1]
-            pytest.fail(f"rank {rank} raised {last}\n(case {name!r}; traceback below)\n{rep['error']}")
+            pytest.fail(f"rank {rank} raised {last}{hint}\n(case {name!r}; traceback below)\n{rep['error']}")
     return reports
 
 
@@ -61,20 +61,35 @@ def assert_matches_dense(reports, what=""):
             assert diff < TOL, f"{what}rank {rank}: {name} differs by {diff:.2e} after {STEPS} SGD steps"
 
 
+def scaled(rep, what: str, small: str = "the contributions add up (chain rule), they are not "
+           "estimates to average") -> str:
+    """": " and what a gradient off by exactly a factor of N or 1/N means (`small`: why not 1/N),
+    or "" if it is not."""
+    k, residual = rep["grad_factor"]
+    if residual < TOL and abs(k - NPROC) < 1e-6:
+        return (f": {what} is exactly {NPROC} times too large on {NPROC} ranks: a sum over the ranks "
+                "of something every rank already holds complete (an all-reduce too many)")
+    if residual < TOL and abs(k - 1 / NPROC) < 1e-6:
+        return f": {what} is exactly 1/{NPROC} of the right one on {NPROC} ranks: {small}"
+    return ""
+
+
 RECORDED = "(communicate through all_reduce_sum / all_gather_last_dim: a collective called directly is not recorded)"
 
 
 @pytest.mark.exercise("f_g_backward")
 def test_f_backward_gives_the_whole_input_gradient(results):
+    """f's backward returns on every rank the whole dL/dx, as one process computes it."""
     for rank, rep in enumerate(case(results, "f", F_G)):
         assert rep["grad_diff"] < TOL, (
-            f"rank {rank}: f's backward returned a dL/dx off by {rep['grad_diff']:.2e}: autograd's "
-            "grad_output on one rank holds only the part of dL/dx that flows through that rank's "
-            "Y_r (notebook 05, section 4, question 1)")
+            f"rank {rank}: f's backward returned a dL/dx off by {rep['grad_diff']:.2e}"
+            + (scaled(rep, "f's dL/dx") or ": autograd's grad_output on one rank holds only the part "
+               "of dL/dx that flows through that rank's Y_r (notebook 05, section 4, question 1)"))
 
 
 @pytest.mark.exercise("f_g_backward")
 def test_f_backward_communicates_once(results):
+    """f issues exactly one collective: an all-reduce of the gradient, in its backward."""
     for rep in case(results, "f", F_G):
         assert rep["calls"] == [["backward", "all_reduce", [BATCH, SEQ, D_MODEL]]], (
             f"f (identity forward) issued {rep['calls']}; its backward needs exactly one collective "
@@ -83,7 +98,9 @@ def test_f_backward_communicates_once(results):
 
 @pytest.mark.exercise("f_g_backward")
 def test_f_backward_leaves_grad_output_alone(results):
-    """y = f(x) + branch: autograd hands the same gradient tensor to f and to the branch, whose
+    """f's backward leaves grad_output alone: a branch beside f gets its gradient unchanged.
+
+    y = f(x) + branch: autograd hands the same gradient tensor to f and to the branch, whose
     backward runs after f's."""
     for rank, rep in enumerate(case(results, "f", F_G)):
         assert rep["skip_grad_diff"] < TOL, (
@@ -93,12 +110,15 @@ def test_f_backward_leaves_grad_output_alone(results):
 
 @pytest.mark.exercise("f_g_backward")
 def test_g_backward(results):
+    """g's forward sums the partial outputs; its backward gives dL/dpartial without a collective."""
     for rank, rep in enumerate(case(results, "g", F_G)):
         assert rep["out_diff"] < TOL, f"rank {rank}: g's forward output is off by {rep['out_diff']:.2e}"
         assert rep["grad_diff"] < TOL, (
-            f"rank {rank}: g's backward returned a dL/dpartial off by {rep['grad_diff']:.2e}: y is the "
-            "sum of the partials, so how does y change when one rank's partial changes? "
-            "(notebook 05, section 4, question 2)")
+            f"rank {rank}: g's backward returned a dL/dpartial off by {rep['grad_diff']:.2e}"
+            + (scaled(rep, "g's dL/dpartial", "y is the sum of the partials, so a change in one "
+                      "rank's partial changes y by as much: nothing is shared out")
+               or ": y is the sum of the partials, so how does y change when one rank's partial "
+                  "changes? (notebook 05, section 4, question 2)"))
         assert rep["calls"] == [["forward", "all_reduce", [BATCH, SEQ, D_MODEL]]], (
             f"g issued {rep['calls']}: its forward all-reduce is all it needs; its backward issues "
             f"no collective {RECORDED}")
@@ -106,11 +126,13 @@ def test_g_backward(results):
 
 @pytest.mark.exercise("f_g_backward")
 def test_megatron_mlp_matches_dense(results):
+    """The Megatron MLP gives the dense MLP's outputs and gradients, and its weights after SGD steps."""
     assert_matches_dense(case(results, "megatron", F_G))
 
 
 @pytest.mark.exercise("f_g_backward")
 def test_megatron_mlp_one_all_reduce_each_way(results):
+    """The Megatron MLP issues one all-reduce in its forward (g) and one in its backward (f), no more."""
     for rep in case(results, "megatron", F_G):
         assert rep["calls"] == [["forward", "all_reduce", [BATCH, SEQ, D_MODEL]],
                                 ["backward", "all_reduce", [BATCH, SEQ, D_MODEL]]], (
@@ -120,7 +142,9 @@ def test_megatron_mlp_one_all_reduce_each_way(results):
 
 @pytest.mark.exercise("f_g_backward")
 def test_backward_uses_the_layers_group(results):
-    """Each rank is a tensor-parallel group of its own: a backward that communicates over every
+    """The backward passes communicate over the layer's group (ctx.group), not over every rank.
+
+    Each rank is a tensor-parallel group of its own: a backward that communicates over every
     rank instead of ctx.group mixes two separate models' gradients."""
     assert_matches_dense(case(results, "subgroup_megatron", F_G),
                          "Megatron MLP on a group of one rank (use ctx.group): ")
@@ -128,13 +152,17 @@ def test_backward_uses_the_layers_group(results):
 
 @pytest.mark.exercise("gather_backward")
 def test_gather_backward_keeps_this_ranks_chunk(results):
-    for rank, rep in enumerate(case(results, "gather", GATHER)):
+    """The all-gather's backward returns this rank's slice of dL/dy (x's shape) without a collective."""
+    shape_hint = (f" (dL/dx must have x's shape, [{BATCH}, {SEQ}, {D_MODEL // NPROC}]: return this "
+                  "rank's columns of dL/dy, not all of them)")
+    for rank, rep in enumerate(case(results, "gather", GATHER, shape_hint)):
         assert rep["out_diff"] < TOL
         assert rep["grad_shape"] == [BATCH, SEQ, D_MODEL // NPROC], (
             f"rank {rank}: dL/dx has shape {rep['grad_shape']}; it must have x's shape")
         assert rep["grad_diff"] < TOL, (
-            f"rank {rank}: dL/dx is off by {rep['grad_diff']:.2e}: which columns of y did this "
-            "rank's x become? (notebook 05, section 4, question 3)")
+            f"rank {rank}: dL/dx is off by {rep['grad_diff']:.2e}"
+            + (scaled(rep, "dL/dx") or ": which columns of y did this rank's x become? "
+               "(notebook 05, section 4, question 3)"))
         assert rep["calls"] == [["forward", "all_gather", [BATCH, SEQ, D_MODEL]]], (
             f"the all-gather issued {rep['calls']}: every rank already holds all of dL/dy, so its "
             f"backward needs no collective {RECORDED}")
@@ -142,7 +170,9 @@ def test_gather_backward_keeps_this_ranks_chunk(results):
 
 @pytest.mark.exercise("gather_backward")
 def test_allgather_mlp_matches_dense(results):
-    """Needs f's backward too (each column layer starts with f)."""
+    """The all-gather MLP trains like the dense MLP: two all-gathers forward, two all-reduces back.
+
+    Needs f's backward too (each column layer starts with f)."""
     reports = case(results, "allgather", GATHER)
     assert_matches_dense(reports)
     for rep in reports:
@@ -153,7 +183,10 @@ def test_allgather_mlp_matches_dense(results):
 
 @pytest.mark.exercise("gather_backward")
 def test_gather_backward_uses_the_rank_in_the_group(results):
-    assert_matches_dense(case(results, "subgroup_allgather", GATHER),
+    """The all-gather's backward takes its slice by the rank in the layer's group, not the global rank."""
+    hint = (" (the all-gather MLP on a group of one rank: the chunk to keep is given by the rank "
+            "and size in ctx.group, dist.get_rank(ctx.group), not by the global ones)")
+    assert_matches_dense(case(results, "subgroup_allgather", GATHER, hint),
                          "all-gather MLP on a group of one rank (use the rank in ctx.group): ")
 
 
@@ -168,6 +201,11 @@ def worker_cases(ctx) -> dict:
 
     dtype = torch.float64
     groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank creates every group
+
+    def factor(got, want):  # (k, max |got - k want|): is the gradient off by a constant factor?
+        got, want = got.detach().cpu().double().flatten(), want.double().flatten()
+        k = float(got @ want / (want @ want))
+        return [k, (got - k * want).abs().max().item()]
 
     def per_rank(seed, *shape):  # a different tensor on every rank; any rank can rebuild any
         return [torch.randn(*shape, generator=torch.Generator().manual_seed(seed + r), dtype=dtype)
@@ -185,6 +223,7 @@ def worker_cases(ctx) -> dict:
         (y * weights[ctx.rank].to(ctx.device)).sum().backward()
         expected = sum(weights)  # dL/dx = sum over ranks of w_r
         return {"grad_diff": (x.grad.cpu() - expected).abs().max().item(),
+                "grad_factor": factor(x.grad, expected),
                 "skip_grad_diff": (skip.grad.cpu() - weights[ctx.rank]).abs().max().item(),
                 "calls": log.summary()}
 
@@ -197,7 +236,8 @@ def worker_cases(ctx) -> dict:
         log.phase = "backward"
         (y * upstream.to(ctx.device)).sum().backward()
         return {"out_diff": (y.detach().cpu() - sum(partials)).abs().max().item(),
-                "grad_diff": (p.grad.cpu() - upstream).abs().max().item(), "calls": log.summary()}
+                "grad_diff": (p.grad.cpu() - upstream).abs().max().item(),
+                "grad_factor": factor(p.grad, upstream), "calls": log.summary()}
 
     def gather_case():
         log = lab.CommLog()
@@ -210,7 +250,7 @@ def worker_cases(ctx) -> dict:
         mine = upstream.chunk(ctx.world_size, dim=-1)[ctx.rank]
         return {"out_diff": (y.detach().cpu() - torch.cat(pieces, -1)).abs().max().item(),
                 "grad_shape": list(x.grad.shape), "grad_diff": (x.grad.cpu() - mine).abs().max().item(),
-                "calls": log.summary()}
+                "grad_factor": factor(x.grad, mine), "calls": log.summary()}
 
     def mlp_case(scheme, group=None):
         log = lab.CommLog()

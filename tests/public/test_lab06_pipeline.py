@@ -33,9 +33,45 @@ def spell(actions) -> str:
     return " ".join(f"{kind}{i}" for kind, i in actions)
 
 
+def diagnose_1f1b(have, num_stages: int, num_microbatches: int, stage: int) -> str:
+    """What is wrong with one stage's 1F1B order, in the words of the schedule's three phases."""
+    try:
+        kinds = [kind for kind, _ in have]
+        forwards = [i for kind, i in have if kind == "F"]
+        backwards = [i for kind, i in have if kind == "B"]
+    except (TypeError, ValueError):
+        return "every action must be a (kind, micro-batch) pair such as ('F', 0)"
+    p, m, s = num_stages, num_microbatches, stage
+    warmup = min(p - s - 1, m)
+    leading = kinds.index("B") if "B" in kinds else len(kinds)   # forwards before the first backward
+    expected = min(warmup + 1, m)   # the warm-up, then the steady state's first forward
+    gpipe = " (with that many it has become GPipe's order)" if (
+        list(have) == sched.gpipe_schedule(p, m)[stage] and p > 1) else ""
+    if forwards != list(range(m)) or backwards != list(range(m)):
+        if sorted(backwards) == list(range(m)) and forwards == list(range(m)):
+            return (f"its backwards run in the order {backwards}: backwards go in micro-batch order, "
+                    "0 to m-1, in the steady state and in the cool-down (the oldest micro-batch first), "
+                    "as the next stage sends their gradients")
+        return (f"it runs the forwards of {forwards} and the backwards of {backwards}: each micro-batch "
+                f"0..{m - 1} exactly once per kind, in micro-batch order")
+    if leading > expected:
+        return (f"it runs {leading} forwards before its first backward, {expected} expected: "
+                f"{leading - expected} warm-up forward(s) too many (warm-up w = min(p - s - 1, m) = "
+                f"{warmup}); each extra forward holds one more micro-batch's activations, beyond the "
+                f"p - s = {p - s} that 1F1B holds{gpipe}")
+    if leading < expected:
+        return (f"it runs {leading} forward(s) before its first backward, {expected} expected: the "
+                f"w = min(p - s - 1, m) = {warmup} warm-up forwards, then the steady state, whose every "
+                "step is one forward (the next micro-batch) and then one backward (the oldest); with "
+                "fewer forwards first, the stage waits for a gradient that cannot have come back yet")
+    return ("after the warm-up it must alternate one forward (the next micro-batch) and one backward "
+            "(the oldest not yet done) until the forwards run out, then run the remaining backwards")
+
+
 # ------------------------------------------------------------------------------ 1F1B schedule
 @pytest.mark.exercise("one_f_one_b_schedule")
 def test_one_f_one_b_small_cases():
+    """1F1B gives the exact warm-up / one-forward-one-backward / cool-down order for small cases."""
     F, B = "F", "B"
     cases = {
         (2, 3): [[(F, 0), (F, 1), (B, 0), (F, 2), (B, 1), (B, 2)],
@@ -50,15 +86,15 @@ def test_one_f_one_b_small_cases():
         assert isinstance(got, list) and len(got) == p, (
             f"p={p}, m={m}: expected a list with one list of actions per stage, got {got!r}")
         for stage, (want, have) in enumerate(zip(expected, got)):
-            hint = (" (that is GPipe's order: 1F1B starts backwards after p - s - 1 warm-up "
-                    "forwards)" if list(have) == sched.gpipe_schedule(p, m)[stage] and p > 1 else "")
-            assert list(have) == want, (f"p={p}, m={m}, stage {stage}: expected {spell(want)}, "
-                                        f"got {spell(have)}{hint}")
+            if list(have) != want:
+                pytest.fail(f"p={p}, m={m}, stage {stage}: expected {spell(want)}, got {spell(have)}: "
+                            f"{diagnose_1f1b(have, p, m, stage)}")
 
 
 @pytest.mark.exercise("one_f_one_b_schedule")
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
 def test_one_f_one_b_valid_and_bounded(num_stages):
+    """1F1B schedules run without deadlock and stage s never holds more than min(p - s, m) micro-batches."""
     for num_microbatches in range(1, 9):
         schedule = sched.one_f_one_b_schedule(num_stages, num_microbatches)
         assert len(schedule) == num_stages, (
@@ -66,7 +102,11 @@ def test_one_f_one_b_valid_and_bounded(num_stages):
         try:
             sched.validate_schedule(schedule, num_microbatches)
         except ValueError as exc:
-            pytest.fail(f"p={num_stages}, m={num_microbatches}: the schedule is not valid: {exc}")
+            beyond = sorted({a[1] for actions in schedule for a in actions if isinstance(a, tuple)
+                             and len(a) == 2 and isinstance(a[1], int) and a[1] >= num_microbatches})
+            hint = (f" (it runs micro-batches {beyond}, which do not exist: the warm-up is "
+                    "min(p - s - 1, m), clamped by m)" if beyond else "")
+            pytest.fail(f"p={num_stages}, m={num_microbatches}: the schedule is not valid: {exc}{hint}")
         for stage, peak in enumerate(sched.peak_in_flight(schedule)):
             bound = min(num_stages - stage, num_microbatches)
             assert peak <= bound, (
@@ -78,7 +118,9 @@ def test_one_f_one_b_valid_and_bounded(num_stages):
 # ------------------------------------------------------------------------- backward, in process
 @pytest.mark.exercise("StageExecutor.backward_step")
 def test_single_stage_training_equals_reference():
-    """p = 1: the only stage is first and last; no messages, so no process group is needed."""
+    """A one-stage pipeline trains like one process: backward_step's gradients add up over micro-batches.
+
+    p = 1: the only stage is first and last; no messages, so no process group is needed."""
     reference = lab.train_reference(CONFIG, STEPS)
     run = lab.train_pipeline(CONFIG, "GPipe", STEPS, rank=0, world_size=1,
                              device=torch.device("cpu"))
@@ -97,7 +139,9 @@ def test_single_stage_training_equals_reference():
 
 @pytest.mark.exercise("StageExecutor.backward_step")
 def test_middle_stage_returns_input_gradient():
-    """Stage 1 of 3: backward seeded with dL/d(output) returns dL/d(input) and fills .grad."""
+    """A middle stage's backward_step returns dL/d(input) and fills its weights' .grad.
+
+    Stage 1 of 3: backward seeded with dL/d(output) returns dL/d(input) and fills .grad."""
     torch.manual_seed(0)
     module = lab.StageModule({1: torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU())})
     executor = lab.StageExecutor(module, stage=1, num_stages=3, boundary_shape=(3, 6),
@@ -111,6 +155,9 @@ def test_middle_stage_returns_input_gradient():
     expected = torch.autograd.grad(reference(x_ref), [x_ref, *module.parameters()], output_grad)
     assert input_grad is not None, ("stages > 0 must return dL/d(input): it is what the previous "
                                     "stage needs for its own backward (send the gradient upstream)")
+    assert input_grad is not output_grad and not torch.equal(input_grad, output_grad), (
+        "backward_step returned the gradient it received, dL/d(output): the previous stage needs "
+        "dL/d(input), what autograd leaves in stage_input.grad after running back through the stage")
     torch.testing.assert_close(input_grad, expected[0], msg=lambda m: (
         f"the returned gradient is not dL/d(stage input) (seed autograd with output_grad): {m}"))
     for (name, param), grad in zip(module.named_parameters(), expected[1:]):
@@ -156,11 +203,13 @@ def check_training(results, reference, schedule_name: str) -> None:
 
 @pytest.mark.exercise("StageExecutor.backward_step")
 def test_gpipe_training_equals_single_process(results, reference):
+    """Two stages on two ranks train with GPipe exactly like one process (gradients, weights, losses)."""
     check_training(results, reference, "GPipe")
 
 
 @pytest.mark.exercise("one_f_one_b_schedule")
 def test_1f1b_training_equals_single_process(results, reference):
+    """Two stages train with your 1F1B exactly like one process, holding 2 and 1 micro-batches at most."""
     check_training(results, reference, "1F1B")
     peaks = [results[rank]["runs"]["1F1B"]["peak_held"] for rank in range(NPROC)]
     assert peaks == [2, 1], (f"with 1F1B on 2 stages the executor held {peaks} micro-batches of "

@@ -39,6 +39,7 @@ def assert_same(ours, ref):
 
 
 def test_scale_multiplies_the_loss():
+    """scale(loss) multiplies the loss by the scale S, keeping its dtype and its autograd graph."""
     scaler = LossScaler(init_scale=2.0 ** 10)
     loss = torch.tensor(0.75)
     assert scaler.get_scale() == 2.0 ** 10
@@ -64,18 +65,29 @@ def test_unscaled_gradients_are_the_true_gradients():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step changes nothing
     scaler.scale(model(x).pow(2).mean()).backward()
     assert scaler.step(opt) is True, "step() must return True when optimizer.step() ran"
+    S = scaler.get_scale()
     for p, g in zip(model.parameters(), expected):
+        if torch.equal(p.grad, g * S):
+            pytest.fail("after step(), .grad still holds the scaled gradient (S times the true one): "
+                        "step() must unscale it, in place, before the optimizer uses it")
+        if torch.equal(p.grad, g / S):
+            pytest.fail("after step(), .grad holds the true gradient divided by S: it was unscaled "
+                        "twice; multiply by to_float32(1 / S) once")
         assert torch.equal(p.grad, g), ("after step(), .grad must hold the true (unscaled) "
                                         "gradient: multiply it by to_float32(1 / S) in place")
 
 
 def test_inf_or_nan_gradients_skip_the_step_and_back_off():
-    """The point of dynamic scaling: an overflowed step must not reach the weights."""
+    """A step with inf or nan gradients is skipped and backs the scale off, once per skipped step.
+
+    The point of dynamic scaling: an overflowed step must not reach the weights."""
     ours = scaler_trace(LossScaler(init_scale=2.0 ** 8, growth_interval=100), steps=6,
                         overflow_steps=(2,), nan_steps=(4,))
     assert ours["stepped"][2] is False, (
         "iteration 2 had an inf loss (its gradients hold inf and nan), yet optimizer.step() ran: "
-        "step() must skip it; check every gradient with torch.isfinite (isinf misses nan)")
+        "step() must skip the optimizer step when any gradient is not finite (torch.isfinite "
+        "catches inf and nan; isinf misses nan), so that an overflowed step never reaches the "
+        "weights")
     assert ours["stepped"][4] is False, (
         "iteration 4 had a nan loss (nan gradients), yet optimizer.step() ran: step() must skip it; "
         "torch.isfinite catches inf and nan")
@@ -87,6 +99,7 @@ def test_inf_or_nan_gradients_skip_the_step_and_back_off():
 
 
 def test_clean_steps_grow_the_scale_every_growth_interval():
+    """The scale grows by growth_factor after every growth_interval clean steps in a row, as GradScaler's."""
     ours, ref = both(10, init_scale=2.0 ** 3, growth_interval=3)
     assert ours["scales"] == [8.0, 8.0, 8.0, 16.0, 16.0, 16.0, 32.0, 32.0, 32.0, 64.0, 64.0], (
         f"with growth_interval 3 the scale must double after every 3 clean steps in a row "
@@ -95,9 +108,23 @@ def test_clean_steps_grow_the_scale_every_growth_interval():
 
 
 def test_matches_grad_scaler_over_planted_overflows():
-    """inf and nan losses at planted steps: skipped steps, back-off, the clean-step count
+    """Scales, skipped steps and weights match GradScaler's over a run with planted inf and nan losses.
+
+    inf and nan losses at planted steps: skipped steps, back-off, the clean-step count
     restarting."""
     ours, ref = both(24, init_scale=2.0 ** 5, growth_factor=2.0, backoff_factor=0.5,
                      growth_interval=3, overflow_steps=(2, 5, 13, 17), nan_steps=(6,))
     assert not all(ref["stepped"]) and any(ref["stepped"])
     assert_same(ours, ref)
+
+
+def test_the_scale_is_a_float32_number():
+    """With factors that are not powers of two, the scale stays float32, exactly as GradScaler's."""
+    ours, ref = both(8, init_scale=100.0, growth_factor=1.1, backoff_factor=0.7, growth_interval=1,
+                     overflow_steps=(3,))
+    assert ref["scales"] != [float(int(s)) for s in ref["scales"]]  # the scenario rounds for real
+    if ours["scales"] != ref["scales"]:
+        k = next(i for i, (a, b) in enumerate(zip(ours["scales"], ref["scales"])) if a != b)
+        pytest.fail(f"GradScaler keeps S as a float32 number: round it with to_float32 every time it "
+                    f"changes (100 * 1.1 is not a float32). Scale {k}: yours {ours['scales'][k]!r}, "
+                    f"GradScaler's {ref['scales'][k]!r}")
