@@ -1,0 +1,762 @@
+"""Lab 11 (experts): a mixture-of-experts layer in one process, then its experts spread over ranks.
+
+Run:  ./run.sh 11      (this file alone: ./run.sh labs/lab11_experts.py; 2-4 ranks)
+
+- `MoE(hidden, ffn, num_experts, top_k)`: a router (nn.Linear, no bias) scores every token, each
+  token goes to its top-k experts (small MLPs), and their outputs are added weighted by the gates
+  (Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts
+  Layer", arXiv:1701.06538). Gates: for k > 1 the top-k probabilities renormalised to sum to 1 (a
+  softmax over the top-k logits: Mixtral, Jiang et al. 2024, arXiv:2401.04088; GShard's top-2,
+  Lepikhin et al. 2020, arXiv:2006.16668); for k = 1 the router's probability itself (Switch
+  Transformer, Fedus, Zoph and Shazeer 2021, arXiv:2101.03961: renormalised it would always be 1
+  and the router would learn nothing from the task). The load-balancing loss E * sum_i f_i P_i
+  (Switch, eq. 4) is kept in `aux_loss` after each forward; an optional capacity factor drops the
+  assignments beyond ceil(factor * T k / E) per expert, first choices before second choices
+  (GShard), and counts them (default: no capacity, nothing dropped).
+- `ExpertParallelMoE.from_dense(moe, group)`: rank r of the group holds experts [r E/N, (r+1) E/N)
+  and a copy of the router. Its `forward` is the homework: every rank routes its own tokens, the
+  counts go first (all_to_all_single), then each token row travels to the rank that owns its
+  expert (all_to_all_single with per-rank split sizes), the experts run, and a second all-to-all
+  brings the results back to be combined with the gates in token order (GShard's dispatch and
+  combine). `all_to_all` (given) is that collective as an autograd function.
+- What the notebook shows: `routing_plan` (which token goes to which expert on which rank, the
+  split sizes per rank pair: the explorer), `all_to_all_bytes` (bytes per rank from the routing,
+  beside the counted ones), the imbalance a skewed router causes and what the auxiliary loss does
+  to it over a short training run (`aux_loss_training`), and expert parallelism combined with data
+  parallelism (`ep_dp_check`: which gradients are all-reduced over which group).
+
+Homework: `ExpertParallelMoE.forward` below. Check it with `./run.sh check 11`
+(the public tests: tests/public/test_lab11_experts.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from helpers import pick
+from helpers.comm_count import count_collectives, patched
+from helpers.dist import DistContext, distributed, synchronize
+from helpers.exercise import attempt
+from helpers.show import table
+from helpers.tensors import divide, seeded
+
+COUNT_DTYPE = torch.int64  # the token counts exchanged before the rows
+
+
+# ============================================================================ routing
+@dataclass
+class Routing:
+    """Where each of T tokens goes, for k choices each (E experts)."""
+    experts: torch.Tensor     # (T, k) int64: the chosen experts, best first
+    weights: torch.Tensor     # (T, k) the gates the combine multiplies by (differentiable)
+    kept: torch.Tensor        # (T, k) bool: False where the expert was full (capacity) and dropped
+    probs: torch.Tensor       # (T, E) the router's softmax (differentiable)
+    aux_loss: torch.Tensor    # () the load-balancing loss E * sum_i f_i P_i
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """(E,) kept assignments per expert: the rows each expert runs on."""
+        return torch.bincount(self.experts[self.kept], minlength=self.probs.shape[-1])
+
+    @property
+    def dropped(self) -> int:
+        return int((~self.kept).sum())
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int | None:
+    """Assignments one expert accepts: ceil(factor * T k / E), the even share times the factor
+    (Switch's expert capacity, times k for top-k); None: no limit."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
+    """(T, k) bool: which assignments an expert of `capacity` accepts. Every token's first choice
+    queues before any second choice (GShard), tokens in order inside each round."""
+    if capacity is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    tokens, top_k = experts.shape
+    by_priority = experts.t().reshape(-1)                                      # (k T): round by round
+    queue = F.one_hot(by_priority, num_experts).cumsum(0)                      # (k T, E) running counts
+    place = queue.gather(1, by_priority.unsqueeze(1)).squeeze(1) - 1           # place in its expert's queue
+    return (place < capacity).reshape(top_k, tokens).t()
+
+
+def route(router: nn.Module, x: torch.Tensor, top_k: int, capacity_factor: float | None = None) -> Routing:
+    """Route tokens x (T, hidden): softmax of the router's logits, top-k, gates, aux loss, capacity.
+
+    aux_loss = E * sum_i f_i P_i (Switch Transformer eq. 4): f_i the fraction of the T k
+    assignments that chose expert i (before any drop), P_i the mean router probability of expert i.
+    It is 1 when routing is uniform and E when one expert takes every token; its gradient reaches
+    the router through P (f is a count). The coefficient (Switch: 1e-2) is the training loop's."""
+    probs = router(x).softmax(dim=-1)                                           # (T, E)
+    tokens, num_experts = probs.shape
+    top_probs, experts = probs.topk(top_k, dim=-1)                              # (T, k) best first
+    weights = top_probs / top_probs.sum(-1, keepdim=True) if top_k > 1 else top_probs
+    chose = F.one_hot(experts, num_experts).sum(1).to(probs.dtype)              # (T, E) 0/1
+    fraction = chose.sum(0) / max(tokens * top_k, 1)                            # f: sums to 1
+    mean_prob = probs.sum(0) / max(tokens, 1)                                   # P: sums to 1
+    aux_loss = num_experts * (fraction * mean_prob).sum()
+    capacity = expert_capacity(tokens, top_k, num_experts, capacity_factor)
+    return Routing(experts, weights, within_capacity(experts, num_experts, capacity), probs, aux_loss)
+
+
+# ============================================================================ the one-process layer
+class Expert(nn.Module):
+    """One expert: a small MLP, hidden -> ffn -> hidden."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class RoutedLayer(nn.Module):
+    """What both layers share: the router, top_k, the capacity factor, and `route`, which records
+    the last forward's aux loss, kept tokens per expert and dropped assignments."""
+
+    router: nn.Linear
+    top_k: int
+    capacity_factor: float | None
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """`route(self.router, x, ...)`; also sets self.aux_loss (differentiable),
+        self.tokens_per_expert ((E,), kept assignments) and self.dropped."""
+        routing = route(self.router, x, self.top_k, self.capacity_factor)
+        self.aux_loss = routing.aux_loss
+        self.tokens_per_expert = routing.tokens_per_expert.detach()
+        self.dropped = routing.dropped
+        return routing
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.out_features
+
+
+class MoE(RoutedLayer):
+    """Mixture of experts in one process: x (..., hidden) -> (..., hidden).
+
+    out[t] = sum over t's kept choices c of weights[t, c] * experts[e_tc](x[t]); every expert runs
+    once per forward, on exactly the tokens routed to it (none: it does not run)."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int,
+                 capacity_factor: float | None = None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+        self.hidden, self.ffn, self.top_k, self.capacity_factor = hidden, ffn, top_k, capacity_factor
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])                                       # (T, hidden)
+        routing = self.route(tokens)
+        out = tokens.new_zeros(tokens.shape)
+        for e, expert in enumerate(self.experts):
+            token, choice = ((routing.experts == e) & routing.kept).nonzero(as_tuple=True)
+            if len(token):                                                         # in token order
+                gate = routing.weights[token, choice].unsqueeze(1)
+                out = out.index_add(0, token, gate * expert(tokens[token]))
+        return out.reshape(x.shape)
+
+
+def make_moe(hidden: int, ffn: int, num_experts: int, top_k: int, capacity_factor: float | None = None,
+             *, seed: int = 0, dtype=torch.float32, device="cpu") -> MoE:
+    """The same MoE on every rank (seeded, built on the CPU, then moved)."""
+    with seeded(seed):
+        moe = MoE(hidden, ffn, num_experts, top_k, capacity_factor)
+    return moe.to(device=device, dtype=dtype)
+
+
+# ============================================================================ the all-to-all
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single on rows, differentiable: rows input_splits[j] go to rank j of the group,
+    rows output_splits[i] arrive from rank i, in rank order. Its backward sends the gradient rows
+    back the way they came: the same all-to-all with the split sizes swapped (an all-to-all only
+    moves rows between ranks, so its adjoint is its inverse). GShard's dispatch and combine are two
+    of these (Lepikhin et al. 2020). (torch.distributed.nn.functional.all_to_all_single does the
+    same, deprecated in torch 2.13.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all_rows(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all_rows(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group=None) -> torch.Tensor:
+    """x (sum(input_splits), ...) -> (sum(output_splits), ...): the first input_splits[0] rows go to
+    group rank 0, the next input_splits[1] to rank 1...; the result holds rank 0's rows for us,
+    then rank 1's... Differentiable (AllToAll). Every rank of `group` must call it, with split
+    sizes that agree: what rank i sends to rank j is what j expects from i."""
+    return AllToAll.apply(x, list(output_splits), list(input_splits), group)
+
+
+# ============================================================================ the expert-parallel layer
+class ExpertParallelMoE(RoutedLayer):
+    """The MoE with its experts spread over the ranks of `group` (N ranks, E experts, E/N each).
+
+    Group rank r holds `experts` = copies of the dense layer's experts r E/N ... (r+1) E/N - 1 (an
+    nn.ModuleList; `first_expert` = r E/N) and `router`, a copy of the dense router. Build it with
+    `from_dense`."""
+
+    def __init__(self, router: nn.Linear, experts: list[nn.Module], top_k: int,
+                 capacity_factor: float | None = None, group=None):
+        super().__init__()
+        self.group = group
+        self.ep_rank, self.ep_size = dist.get_rank(group), dist.get_world_size(group)
+        self.top_k, self.capacity_factor = top_k, capacity_factor
+        self.router = router
+        self.experts = nn.ModuleList(experts)
+        self.num_local = divide(router.out_features, self.ep_size, "experts over the expert-parallel ranks")
+        if len(self.experts) != self.num_local:
+            raise ValueError(f"group rank {self.ep_rank} holds {len(self.experts)} experts, "
+                             f"expected {self.num_local}")
+        self.first_expert = self.ep_rank * self.num_local
+
+    @classmethod
+    def from_dense(cls, moe: MoE, group=None) -> "ExpertParallelMoE":
+        """This rank's share of `moe`: a copy of its router and of experts [r E/N, (r+1) E/N)."""
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        local = divide(moe.num_experts, n, "experts over the expert-parallel ranks")
+        mine = [copy.deepcopy(moe.experts[e]) for e in range(r * local, (r + 1) * local)]
+        return cls(copy.deepcopy(moe.router), mine, moe.top_k, moe.capacity_factor, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Exercise: the expert-parallel forward, this rank's tokens through every rank's experts.
+
+        x (T, hidden): this rank's tokens (T may differ between ranks, 0 included). Returns
+        (T, hidden) in x's token order: what the dense layer this one was built from returns on
+        x, differentiable w.r.t. x, the router and the experts. Route with `routing =
+        self.route(x)` (the dense layer's routing: same experts, gates and capacity drops; it also
+        records self.aux_loss).
+
+        Contract (what the tests check, on 1 to 4 ranks, sub-groups, top-1 to top-3, routings so
+        uneven that one rank receives many more rows than another, dropped tokens, float32/64):
+        - output and dL/dx equal the dense layer's on x; the router's gradient equals the dense
+          router's from this rank's tokens; each local expert's gradient equals the dense expert's
+          summed over the tokens of every rank in the group (the backward brings it home);
+        - communication: all_to_all_single over `self.group` only, three per forward: the token
+          counts (at most E integers per rank), the rows, the results; and two in the backward
+          (`all_to_all` carries the gradients). One row per kept (token, expert) choice, each to
+          the rank that owns that expert: rank r sends rank j exactly the rows of its tokens routed
+          to j's experts (`all_to_all_bytes` gives the bytes), nothing for dropped choices;
+        - each local expert (`self.experts[j]`, global expert `self.first_expert + j`) runs only on
+          the rows routed to it, from every rank (the tests count them with forward hooks).
+        """
+        ### BEGIN SOLUTION
+        routing = self.route(x)
+        tokens, k = routing.experts.shape
+        choice_expert = routing.experts.reshape(-1)                                # (T k,) token-major
+        choice_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+        kept = routing.kept.reshape(-1).nonzero().squeeze(1)
+        # Sorted by expert (stably): the rows for group rank j's experts form one block, expert by expert.
+        order = kept[torch.argsort(choice_expert[kept], stable=True)]
+        per_expert = torch.bincount(choice_expert[order], minlength=self.num_experts).to(COUNT_DTYPE)
+        # The counts first: from_rank[i, j] = rows rank i will send to our local expert j.
+        from_rank = torch.empty_like(per_expert)
+        dist.all_to_all_single(from_rank, per_expert, group=self.group)
+        from_rank = from_rank.view(self.ep_size, self.num_local)
+        send_splits = per_expert.view(self.ep_size, self.num_local).sum(1).tolist()
+        recv_splits = from_rank.sum(1).tolist()
+        rows = all_to_all(x[choice_token[order]], recv_splits, send_splits, self.group)  # dispatch
+        # rows: rank 0's block (its rows for our expert 0, then expert 1...), then rank 1's block...
+        pieces = list(rows.split(from_rank.reshape(-1).tolist()))
+        for j, expert in enumerate(self.experts):
+            mine = [i * self.num_local + j for i in range(self.ep_size)]      # every rank's rows for j
+            results = expert(torch.cat([pieces[p] for p in mine]))
+            for p, result in zip(mine, results.split([len(pieces[p]) for p in mine])):
+                pieces[p] = result
+        back = all_to_all(torch.cat(pieces), send_splits, recv_splits, self.group)  # combine: in `order`
+        gated = back * routing.weights.reshape(-1)[order].unsqueeze(1)
+        return x.new_zeros(x.shape).index_add(0, choice_token[order], gated)
+        ### END SOLUTION
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first_expert}..{self.first_expert + self.num_local - 1} of "
+                f"{self.num_experts}, top_k={self.top_k}, ep_rank={self.ep_rank}/{self.ep_size}")
+
+
+# ============================================================================ routing, on paper
+def sample_tokens(tokens: int, hidden: int, *, seed: int, shift: float = 0.0, dtype=torch.float32,
+                  device="cpu") -> torch.Tensor:
+    """(tokens, hidden) normal rows, plus `shift` along the all-ones direction (unit length): a
+    component every token shares, which a router that leans on it turns into one crowded expert
+    (`skew_router`)."""
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (x + shift * hidden ** -0.5).to(device=device, dtype=dtype)
+
+
+def skew_router(moe: RoutedLayer, strength: float, expert: int = 0) -> RoutedLayer:
+    """Tilt the router towards `expert` along the tokens' common direction (in place; returns moe)."""
+    with torch.no_grad():
+        w = moe.router.weight
+        w[expert] += strength * w.shape[1] ** -0.5
+    return moe
+
+
+def imbalance(counts) -> float:
+    """max / mean of a list of loads (tokens per expert or rows per rank): 1.0 when balanced."""
+    counts = [float(c) for c in counts]
+    mean = sum(counts) / len(counts) if counts else 0.0
+    return max(counts) / mean if mean else 1.0
+
+
+def routing_plan(moe: RoutedLayer, xs: list[torch.Tensor], ep_size: int) -> dict:
+    """Where every token of every rank goes (the explorer's data), for `moe`'s routing of each
+    rank's tokens xs[r] with its experts spread over `ep_size` ranks:
+    - choices: one row per (rank, token, choice): expert, owner rank, gate, kept;
+    - splits[i][j]: rows rank i sends to rank j (kept choices of its tokens on j's experts);
+    - tokens_per_expert, rows_per_rank (received: the column sums) and their imbalance."""
+    num_experts = moe.num_experts
+    local = divide(num_experts, ep_size, "experts over the expert-parallel ranks")
+    splits = [[0] * ep_size for _ in range(ep_size)]
+    per_expert = [0] * num_experts
+    choices = []
+    with torch.no_grad():
+        for source, x in enumerate(xs):
+            r = route(moe.router, x, moe.top_k, moe.capacity_factor)
+            rows = zip(r.experts.tolist(), r.weights.tolist(), r.kept.tolist())
+            for t, (experts, gates, kept) in enumerate(rows):
+                for c, (e, g, keep) in enumerate(zip(experts, gates, kept)):
+                    choices.append({"rank": source, "token": t, "choice": c, "expert": e,
+                                    "owner": e // local, "gate": g, "kept": keep})
+                    if keep:
+                        splits[source][e // local] += 1
+                        per_expert[e] += 1
+    received = [sum(splits[i][j] for i in range(ep_size)) for j in range(ep_size)]
+    return {"ep_size": ep_size, "experts_per_rank": local, "choices": choices, "splits": splits,
+            "tokens_per_expert": per_expert, "rows_per_rank": received,
+            "dropped": sum(not c["kept"] for c in choices),
+            "expert_imbalance": imbalance(per_expert), "rank_imbalance": imbalance(received)}
+
+
+def all_to_all_bytes(splits: list[list[int]], rank: int, row_bytes: int, num_experts: int,
+                     count_bytes: int = COUNT_DTYPE.itemsize) -> dict:
+    """Bytes `rank` sends to the other ranks in one forward and backward, from the routing's
+    splits[i][j] (rows rank i sends to rank j): the counts (E/N integers to each other rank); the
+    dispatch (its rows for other ranks' experts); the combine (the results for other ranks' rows).
+    The backward runs the two row all-to-alls in reverse: the combine's gradient leaves with the
+    dispatch's volume and vice versa. Rows that stay on their rank are never sent. With balanced
+    routing each row all-to-all moves T k (N-1)/N rows per rank."""
+    n = len(splits)
+    out_rows = sum(splits[rank][j] for j in range(n) if j != rank)
+    in_rows = sum(splits[i][rank] for i in range(n) if i != rank)
+    return {"forward": {"counts": (n - 1) * (num_experts // n) * count_bytes,
+                        "dispatch": out_rows * row_bytes, "combine": in_rows * row_bytes},
+            "backward": {"combine": out_rows * row_bytes, "dispatch": in_rows * row_bytes}}
+
+
+# ============================================================================ measured
+@dataclass
+class AllToAllCall:
+    dtype: str
+    row_bytes: int                # bytes of one row (dim 0 entry) of the input
+    input_splits: list[int]
+    output_splits: list[int]
+    group_rank: int
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes to the other ranks (the rows kept for this rank are a local copy)."""
+        return sum(s for j, s in enumerate(self.input_splits) if j != self.group_rank) * self.row_bytes
+
+
+@contextlib.contextmanager
+def record_all_to_alls() -> Iterator[list[AllToAllCall]]:
+    """Every all_to_all_single issued inside the block, with its split sizes (even splits filled in)."""
+    calls: list[AllToAllCall] = []
+
+    def make(original):
+        def recorded(self, output, input, output_split_sizes, input_split_sizes, *args, **kwargs):
+            n = self.size()
+            rows_in, rows_out = input.shape[0] if input.dim() else 0, output.shape[0] if output.dim() else 0
+            row_bytes = input.nbytes // rows_in if rows_in else input.element_size() * math.prod(input.shape[1:])
+            calls.append(AllToAllCall(str(input.dtype).replace("torch.", ""), row_bytes,
+                                      list(input_split_sizes) or [rows_in // n] * n,
+                                      list(output_split_sizes) or [rows_out // n] * n, self.rank()))
+            return original(self, output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+        return recorded
+
+    with patched({"all_to_all_single": make}, required=("all_to_all_single",)):
+        yield calls
+
+
+@contextlib.contextmanager
+def rows_seen(layer: nn.Module) -> Iterator[list[int]]:
+    """rows[j]: input rows experts[j] of `layer` ran on inside the block (forward hooks)."""
+    rows = [0] * len(layer.experts)
+
+    def count(j):
+        def hook(_module, inputs, _output):
+            rows[j] += len(inputs[0])
+        return hook
+    handles = [expert.register_forward_hook(count(j)) for j, expert in enumerate(layer.experts)]
+    try:
+        yield rows
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def dense_reference(moe: MoE, xs: list[torch.Tensor], rank: int, douts: list[torch.Tensor]) -> dict:
+    """One process's answer for rank `rank`: moe(xs[rank]), the gradients of sum(out * dout) w.r.t.
+    xs[rank] and the router (this rank's tokens), and every expert's gradient summed over every
+    rank's tokens (what expert parallelism must leave on the expert's owner)."""
+    params = [moe.router.weight, *moe.experts.parameters()]
+    summed = [torch.zeros_like(p) for p in params]
+    for r, (x, dout) in enumerate(zip(xs, douts)):
+        x = x.detach().clone().requires_grad_(True)
+        out = moe(x)
+        grads = torch.autograd.grad((out * dout).sum(), [x, *params], allow_unused=True)
+        for total, g in zip(summed, grads[1:]):
+            if g is not None:
+                total += g
+        if r == rank:
+            mine = {"output": out.detach(), "input_grad": grads[0], "aux_loss": moe.aux_loss.detach(),
+                    "router_grad": grads[1] if grads[1] is not None else torch.zeros_like(params[0])}
+    names = [name for name, _ in moe.experts.named_parameters()]
+    return {**mine, "expert_grads": dict(zip(names, summed[1:]))}
+
+
+def _max_diff(got: torch.Tensor | None, expected: torch.Tensor) -> float:
+    """max |got - expected|; inf when there is nothing (a gradient that never arrived)."""
+    if got is None or got.shape != expected.shape:
+        return float("inf")
+    return (got.detach() - expected).abs().max().item() if got.numel() else 0.0
+
+
+def ep_check(device: torch.device, sizes: dict, group=None, skew: float = 0.0) -> dict:
+    """ExpertParallelMoE against the dense layer on this run's tokens (float64): output, dL/dx,
+    router and expert gradients, the all-to-alls' bytes against `all_to_all_bytes`, and the rows
+    each local expert ran on against the routing."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    s = sizes
+    dense = make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * n, s["top_k"], s["capacity_factor"],
+                     dtype=torch.float64, device=device)
+    skew_router(dense, skew)
+    xs = [sample_tokens(s["tokens"], s["hidden"], seed=100 + r, shift=s["shift"], dtype=torch.float64,
+                        device=device) for r in range(n)]
+    douts = [sample_tokens(s["tokens"], s["hidden"], seed=200 + r, dtype=torch.float64, device=device)
+             for r in range(n)]
+    ref = dense_reference(dense, xs, rank, douts)
+    plan = routing_plan(dense, xs, n)
+    layer = ExpertParallelMoE.from_dense(dense, group)
+    x = xs[rank].clone().requires_grad_(True)
+    with record_all_to_alls() as forward, rows_seen(layer) as rows, count_collectives() as log:
+        out = layer(x)
+    with record_all_to_alls() as backward:
+        (out * douts[rank]).sum().backward()
+    own = range(layer.first_expert, layer.first_expert + layer.num_local)
+    diffs = {"output": _max_diff(out, ref["output"]), "input_grad": _max_diff(x.grad, ref["input_grad"]),
+             "router_grad": _max_diff(layer.router.weight.grad, ref["router_grad"]), "experts": 0.0}
+    for name, p in layer.experts.named_parameters():
+        j, leaf = name.split(".", 1)
+        expected = ref["expert_grads"][f"{layer.first_expert + int(j)}.{leaf}"]
+        diffs["experts"] = max(diffs["experts"], _max_diff(p.grad, expected))
+    formula = all_to_all_bytes(plan["splits"], rank, s["hidden"] * 8, layer.num_experts)
+    counted = {"forward": dict(zip(("counts", "dispatch", "combine"), (c.sent_bytes for c in forward))),
+               "backward": dict(zip(("combine", "dispatch"), (c.sent_bytes for c in backward)))}
+    return {"diffs": diffs, "worst": max(diffs.values()), "plan_splits": plan["splits"],
+            "bytes": [{"phase": phase, "all-to-all": what, "counted": counted[phase].get(what),
+                       "formula": formula[phase][what]} for phase in formula for what in formula[phase]],
+            "collectives": sorted({c.kind for c in log}),
+            "rows_per_expert": {"experts": list(own), "ran on": rows,
+                                "routed": [plan["tokens_per_expert"][e] for e in own]},
+            "rows_received": sum(forward[1].output_splits) if len(forward) > 1 else None}
+
+
+# ============================================================================ imbalance
+def skew_table(sizes: dict, world_size: int, strengths=(0.0, 1.0, 4.0)) -> list[dict]:
+    """The routing of this run's tokens for routers tilted more and more towards expert 0: tokens
+    per expert, rows per rank, their max/mean (on paper: `routing_plan`, no communication)."""
+    s = sizes
+    rows = []
+    for strength in strengths:
+        moe = skew_router(make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * world_size, s["top_k"]),
+                          strength)
+        xs = [sample_tokens(s["tokens"], s["hidden"], seed=100 + r, shift=s["shift"]) for r in range(world_size)]
+        plan = routing_plan(moe, xs, world_size)
+        rows.append({"skew": strength, "tokens per expert": plan["tokens_per_expert"],
+                     "rows per rank": plan["rows_per_rank"], "expert max/mean": plan["expert_imbalance"],
+                     "rank max/mean": plan["rank_imbalance"], "splits": plan["splits"]})
+    return rows
+
+
+def capacity_table(sizes: dict, world_size: int, factors=(0.5, 1.0, 1.25, 2.0), skews=(0.0, 4.0)) -> list[dict]:
+    """Dropped assignments for capacity factors, with a balanced and a skewed router (one process)."""
+    s = sizes
+    x = sample_tokens(s["tokens"], s["hidden"], seed=100, shift=s["shift"])
+    rows = []
+    for skew in skews:
+        for factor in factors:
+            moe = skew_router(make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * world_size, s["top_k"],
+                                       factor), skew)
+            with torch.no_grad():
+                moe(x)
+            cap = expert_capacity(len(x), moe.top_k, moe.num_experts, factor)
+            rows.append({"skew": skew, "capacity factor": factor, "capacity": cap,
+                         "dropped": moe.dropped, "dropped %": 100 * moe.dropped / (len(x) * moe.top_k),
+                         "kept per expert": moe.tokens_per_expert.tolist()})
+    return rows
+
+
+def aux_loss_training(sizes: dict, num_experts: int = 8, alphas=(0.0, 0.01), steps: int = 60,
+                      skew: float = 4.0, lr: float = 1e-2, tokens: int = 256) -> dict:
+    """Train a skewed MoE (one process, `tokens` fresh tokens per step) to imitate a fixed random
+    MLP with Adam, loss = MSE + alpha * aux (Switch used alpha = 1e-2), once per alpha; per step:
+    max/mean tokens per expert, the task loss and the aux loss."""
+    s = {**sizes, "tokens": tokens}
+    with seeded(7):
+        teacher = Expert(s["hidden"], s["ffn"])
+    out = {"steps": steps, "skew": skew, "lr": lr, "top_k": s["top_k"], "num_experts": num_experts, "runs": {}}
+    for alpha in alphas:
+        moe = skew_router(make_moe(s["hidden"], s["ffn"], num_experts, s["top_k"], seed=1), skew)
+        opt = torch.optim.Adam(moe.parameters(), lr=lr)
+        run = {"imbalance": [], "task_loss": [], "aux_loss": []}
+        for step in range(steps):
+            x = sample_tokens(s["tokens"], s["hidden"], seed=1000 + step, shift=s["shift"])
+            with torch.no_grad():
+                target = teacher(x)
+            task = F.mse_loss(moe(x), target)
+            loss = task + alpha * moe.aux_loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            run["imbalance"].append(imbalance(moe.tokens_per_expert.tolist()))
+            run["task_loss"].append(task.item())
+            run["aux_loss"].append(moe.aux_loss.item())
+        out["runs"][str(alpha)] = run
+    return out
+
+
+def skewed_timing(device: torch.device, sizes: dict, skew: float, repeats: int, group=None) -> dict:
+    """Expert-parallel forward + backward with a router of `skew` (float32): rows this rank
+    received and the seconds its experts took (best of `repeats`); the most loaded rank sets the
+    pace, since every rank waits for it in the combine."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    s = sizes
+    dense = make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * n, s["top_k"], device=device)
+    skew_router(dense, skew)
+    layer = ExpertParallelMoE.from_dense(dense, group)
+    x = sample_tokens(s["tokens"], s["hidden"], seed=100 + rank, shift=s["shift"], device=device)
+    busy = [0.0]
+
+    def start(_m, _inputs):
+        synchronize(device)                           # CUDA runs asynchronously: time finished work
+        busy.append(-time.perf_counter())
+
+    def stop(_m, _inputs, _out):
+        synchronize(device)
+        busy.append(busy.pop() + time.perf_counter())
+    handles = [h for e in layer.experts
+               for h in (e.register_forward_pre_hook(start), e.register_forward_hook(stop))]
+    best = None
+    try:
+        for _ in range(repeats):
+            busy[:] = [0.0]
+            dist.barrier(group=group)
+            begin = time.perf_counter()
+            with rows_seen(layer) as rows:
+                layer(x).sum().backward()
+            synchronize(device)
+            wall = time.perf_counter() - begin
+            if best is None or wall < best["wall_s"]:
+                best = {"rows": sum(rows), "expert_forward_s": sum(busy), "wall_s": wall}
+    finally:
+        for h in handles:
+            h.remove()
+    return best
+
+
+# ============================================================================ expert x data parallel
+def ep_dp_groups(device: torch.device, ep_size: int):
+    """(ep group, dp group) of a (dp, ep) mesh over every rank: rank = dp_rank * ep + ep_rank; the ep
+    group shares one set of experts between it, the dp group holds the same experts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_size = divide(dist.get_world_size(), ep_size, "the ranks over the expert-parallel groups")
+    mesh = init_device_mesh(device.type, (dp_size, ep_size), mesh_dim_names=("dp", "ep"))
+    return mesh.get_group("ep"), mesh.get_group("dp")
+
+
+def sync_gradients(layer: ExpertParallelMoE, dp_group, world_size: int) -> list[dict]:
+    """Data parallelism over an expert-parallel layer: each gradient summed over the ranks that hold
+    the same parameter, then divided by the world size (the loss is the mean over every rank's).
+    - experts: the backward's all-to-all already summed the ep group's tokens on the owner; the
+      other ranks holding these experts are the dp group: all-reduce over it;
+    - router: a copy on every rank, each with its own tokens: all-reduce over every rank.
+    Returns what went where: parameter, group ranks, bytes."""
+    done = []
+    for what, params, group in (("experts", list(layer.experts.parameters()), dp_group),
+                                ("router", list(layer.router.parameters()), None)):
+        flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params])
+        dist.all_reduce(flat, group=group)                    # one call per group: one flat buffer
+        flat /= world_size
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+        done.append({"parameters": what, "all-reduced over ranks": dist.get_process_group_ranks(group)
+                     if group is not None else list(range(world_size)), "bytes": flat.nbytes})
+    return done
+
+
+def ep_dp_check(device: torch.device, sizes: dict, ep_size: int, lr: float = 0.1, sync=sync_gradients) -> dict:
+    """One SGD step of a (dp, ep) layout against one process training the dense layer on every
+    rank's tokens (loss: the mean over ranks of MSE + 0.01 aux, float64): parameters after the
+    step, and which gradients went over which group (`sync`: how the gradients are reduced)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    s = sizes
+    ep_group, dp_group = ep_dp_groups(device, ep_size)
+    dense = make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * ep_size, s["top_k"],
+                     dtype=torch.float64, device=device)
+    xs = [sample_tokens(s["tokens"], s["hidden"], seed=100 + r, shift=s["shift"], dtype=torch.float64,
+                        device=device) for r in range(world)]
+    targets = [sample_tokens(s["tokens"], s["hidden"], seed=300 + r, dtype=torch.float64, device=device)
+               for r in range(world)]
+    layer = ExpertParallelMoE.from_dense(dense, ep_group)
+
+    def loss_of(model, x, target):
+        return F.mse_loss(model(x), target) + 0.01 * model.aux_loss
+
+    loss_of(layer, xs[rank], targets[rank]).backward()
+    with count_collectives() as log:
+        groups = sync(layer, dp_group, world)
+    torch.optim.SGD(layer.parameters(), lr=lr).step()
+    (sum(loss_of(dense, x, t) for x, t in zip(xs, targets)) / world).backward()   # one process
+    torch.optim.SGD(dense.parameters(), lr=lr).step()
+    diffs = {"router": (layer.router.weight - dense.router.weight).abs().max().item()}
+    for j, expert in enumerate(layer.experts):
+        twin = dense.experts[layer.first_expert + j]
+        diffs[f"expert {layer.first_expert + j}"] = max((a - b).abs().max().item() for a, b in
+                                                        zip(expert.parameters(), twin.parameters()))
+    return {"ep": ep_size, "dp": world // ep_size, "ep_group": dist.get_process_group_ranks(ep_group),
+            "dp_group": dist.get_process_group_ranks(dp_group), "groups": groups,
+            "all_reduces": [(c.kind, c.world_size, c.nbytes) for c in log], "diffs": diffs,
+            "worst": max(diffs.values())}
+
+
+# ============================================================================ the run
+def default_sizes() -> dict:
+    """The layer and the batch of this run (smoke mode: smaller), read when the run starts."""
+    return dict(hidden=pick(64, 16), ffn=pick(128, 32), experts_per_rank=2, top_k=2, tokens=pick(256, 24),
+                capacity_factor=None, shift=2.0)
+
+
+def run(ctx: DistContext, **sizes) -> dict:
+    """Everything the notebook shows, on this rank: the routing plan of this run's batch, the skew
+    and capacity tables, the aux-loss training (rank 0), then, once the homework is written, the
+    expert-parallel layer against the dense one (balanced and skewed), the time a skewed router
+    costs, and every (dp, ep) layout of the ranks against one process."""
+    s = {**default_sizes(), **sizes}
+    n = ctx.world_size
+    moe = make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * n, s["top_k"], s["capacity_factor"])
+    xs = [sample_tokens(s["tokens"], s["hidden"], seed=100 + r, shift=s["shift"]) for r in range(n)]
+    timing_sizes = {**s, "tokens": pick(2048, 64)}
+    layouts = [ep for ep in range(1, n + 1) if n % ep == 0]
+    return {"sizes": s, "world_size": n,
+            "plan": routing_plan(moe, xs, n),
+            "skew": skew_table(s, n), "capacity": capacity_table(s, n),
+            "training": aux_loss_training(s) if ctx.rank == 0 else None,
+            "check": attempt(ep_check, ctx.device, s),
+            "check_skewed": attempt(ep_check, ctx.device, s, skew=4.0),
+            "timing": {str(skew): attempt(skewed_timing, ctx.device, timing_sizes, skew, pick(3, 1))
+                       for skew in (0.0, 4.0)},
+            "ep_dp": {f"dp{n // ep} x ep{ep}": attempt(ep_dp_check, ctx.device, s, ep) for ep in layouts}}
+
+
+def _training_summary(training: dict) -> list[dict]:
+    rows = []
+    for alpha, r in training["runs"].items():
+        rows.append({"aux coefficient": float(alpha),
+                     "max/mean tokens per expert, first step": r["imbalance"][0], "last step": r["imbalance"][-1],
+                     "task loss first": r["task_loss"][0], "task loss last": r["task_loss"][-1],
+                     "aux loss last": r["aux_loss"][-1]})
+    return rows
+
+
+def print_results(ctx: DistContext, result: dict) -> None:
+    """run()'s tables on rank 0 (every rank must call it: it gathers the ranks' numbers); raises
+    if the expert-parallel layer or a (dp, ep) layout differs from one process."""
+    s, n = result["sizes"], ctx.world_size
+    if ctx.rank == 0:
+        plan = result["plan"]
+        table([{"from rank": i, **{f"to rank {j}": rows for j, rows in enumerate(row)}}
+               for i, row in enumerate(plan["splits"])],
+              title=f"rows each rank sends to each rank ({s['tokens']} tokens per rank, top-{s['top_k']}, "
+                    f"{plan['experts_per_rank'] * n} experts on {n} ranks)")
+        table([{k: v for k, v in row.items() if k != "splits"} for row in result["skew"]],
+              title="a router tilted towards expert 0: load per expert and per rank")
+        table(result["capacity"], title="capacity factor and dropped (token, expert) assignments")
+        rows = _training_summary(result["training"])
+        table(rows, title=f"{result['training']['steps']} Adam steps of a skewed MoE, with and without "
+                          "the aux loss")
+        plain, balanced = rows[0]["last step"], rows[-1]["last step"]
+        print(f"with the aux loss the last step's max/mean load is {balanced:.2f} against {plain:.2f} "
+              f"without: {'the aux loss evened the load' if balanced < plain else 'no evening on this run'}",
+              flush=True)
+    if "unsolved" in result["check"]:
+        return
+    checks = {"balanced": result["check"], "skewed": result["check_skewed"]}
+    gathered = [None] * n
+    dist.all_gather_object(gathered, {name: {"worst": c["worst"], "bytes": c["bytes"],
+                                             "rows": c["rows_received"]} for name, c in checks.items()}
+                           | {"timing": result["timing"]})
+    if ctx.rank == 0:
+        table([{"rank": r, "routing": name, "max |EP - dense| (out, grads)": g[name]["worst"],
+                "rows received": g[name]["rows"]} for r, g in enumerate(gathered) for name in checks],
+              title="ExpertParallelMoE vs the dense MoE (float64)")
+        table([{"rank": r, **b} for r, g in enumerate(gathered) for b in g["skewed"]["bytes"]],
+              title="bytes each rank sends to the others, skewed router: counted vs all_to_all_bytes")
+        same = all(b["counted"] == b["formula"] for g in gathered for c in checks for b in g[c]["bytes"])
+        print(f"counted bytes equal the routing's formula on every rank, both routings: {same}", flush=True)
+        table([{"rank": r, "skew": skew, **t} for r, g in enumerate(gathered)
+               for skew, t in g["timing"].items()],
+              title="forward + backward, float32: rows received and seconds in the experts per rank")
+        for skew in result["timing"]:
+            runs = [g["timing"][skew] for g in gathered]
+            if all("rows" in t for t in runs):
+                print(f"router skew {skew}: max/mean rows per rank {imbalance([t['rows'] for t in runs]):.2f}, "
+                      f"max/mean seconds in the experts {imbalance([t['expert_forward_s'] for t in runs]):.2f} "
+                      "(the most loaded rank sets the pace of the combine)", flush=True)
+        table([{"layout": name, **{k: c[k] for k in ("ep_group", "dp_group", "worst")},
+                "all-reduces": ", ".join(f"{g['parameters']} over {g['all-reduced over ranks']}"
+                                         for g in c["groups"])}
+               for name, c in result["ep_dp"].items()],
+              title="expert x data parallel, one SGD step against one process (rank 0)")
+    worst = max([c["worst"] for c in checks.values()] + [c["worst"] for c in result["ep_dp"].values()])
+    if not worst < 1e-9:
+        raise RuntimeError(f"rank {ctx.rank}: the expert-parallel layer differs from the dense one "
+                           f"by {worst:.2e}")
+
+
+def main() -> None:
+    with distributed() as ctx:
+        result = run(ctx)
+        ctx.report(**result)
+        print_results(ctx, result)
+
+
+if __name__ == "__main__":
+    main()
