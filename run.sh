@@ -173,7 +173,7 @@ check_sandbox() {
   [[ -f "$GRADING_TESTS" ]] || return 0
   local why
   why="$("$PY" -c 'import sys
-from helpers.homework.sandbox import SandboxUnavailable, probe
+from homework.sandbox import SandboxUnavailable, probe
 try:
     probe()
 except SandboxUnavailable as exc:
@@ -210,7 +210,7 @@ case "$cmd" in
     if [[ $status -eq 5 ]]; then echo "run.sh: pytest found no tests" >&2; fi
     exit $status
     ;;
-  check|submit|release|grade) shift; exec "$PY" -m helpers.homework "$cmd" "$@" ;;
+  check|submit|release|grade) shift; exec "$PY" -m homework "$cmd" "$@" ;;
   update)
     shift
     # A notebook you only ran differs from the committed one by its outputs alone (git diff, through

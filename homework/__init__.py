@@ -1,9 +1,9 @@
 """The homework cycle: release the student edition, check, submit, grade.
 
-    python -m helpers.homework release DIR             # instructor: write the student edition
-    python -m helpers.homework check [NN]              # student: public tests, summary per exercise
-    python -m helpers.homework submit                  # student: checks + archive (path = last line)
-    python -m helpers.homework grade A.tar.gz... --out DIR   # instructor: hidden + public tests,
+    python -m homework release DIR             # instructor: write the student edition
+    python -m homework check [NN]              # student: public tests, summary per exercise
+    python -m homework submit                  # student: checks + archive (path = last line)
+    python -m homework grade A.tar.gz... --out DIR   # instructor: hidden + public tests,
                                                              # each submission in a sandbox
 
 (`./run.sh check|submit|release|grade ...` runs the same from the repository root.)
@@ -14,7 +14,7 @@ the enclosing function (`Class.method` for methods) and `notebooks/NN_*.ipynb` e
 Public tests are `tests/public/test_labNN_*.py`, hidden ones `tests/hidden/test_labNN_*.py`,
 marked `@pytest.mark.exercise("name")` and optionally `@pytest.mark.points(n)` (default 1).
 
-Modules: exercises (find and stub solution blocks), files (what ships, notebook stripping),
+Modules: solutions (find and stub solution blocks), files (what ships, notebook stripping),
 release, plugin (markers and result categories for pytest-reportlog's stream), runner (bounded
 pytest runs, one process per run, reports checked), sandbox (bubblewrap), check, archive
 (submission archive safety), submit, grade (trusted collection, canaries, verdicts). Nothing here

@@ -1,15 +1,15 @@
-"""Command line: python -m helpers.homework {check,submit,release,grade} ... (see --help)."""
+"""Command line: python -m homework {check,submit,release,grade} ... (see --help)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-from helpers.homework.files import from_caller
-from helpers.homework.grade import DEFAULT_BUDGET_S
-from helpers.homework.runner import DEFAULT_TIMEOUT_S
+from homework.files import from_caller
+from homework.grade import DEFAULT_BUDGET_S
+from homework.runner import DEFAULT_TIMEOUT_S
 
-ROOT = Path(__file__).resolve().parents[2]  # the course whose helpers/ this is
+ROOT = Path(__file__).resolve().parents[1]  # the course whose homework/ this is
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--timeout and --budget must be positive", file=sys.stderr)
         return 2
     if args.command == "check":
-        from helpers.homework.check import normalise_lab, run_check
+        from homework.check import normalise_lab, run_check
         try:
             lab = normalise_lab(args.lab) if args.lab else None
         except ValueError as exc:
@@ -65,20 +65,20 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return run_check(ROOT, lab, args.timeout)[1]
     if args.command == "submit":
-        from helpers.homework.submit import submit
+        from homework.submit import submit
         submit(ROOT, args.timeout, args.budget)
         return 0
     if args.command == "release":
-        from helpers.homework.release import ReleaseError, release
+        from homework.release import ReleaseError, release
         try:
             release(ROOT, from_caller(args.dir), force=args.force, strict=args.strict)
         except ReleaseError as exc:
             print(f"release: {exc}", file=sys.stderr)
             return 1
         return 0
-    from helpers.homework.check import normalise_lab
-    from helpers.homework.files import NotACheckout
-    from helpers.homework.grade import GradingError, grade
+    from homework.check import normalise_lab
+    from homework.files import NotACheckout
+    from homework.grade import GradingError, grade
     try:
         labs = [normalise_lab(lab) for lab in args.lab] if args.lab else None
         rows = grade([from_caller(a) for a in args.archives], from_caller(args.out), ROOT,

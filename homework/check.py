@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.homework.runner import DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, run_tests
+from homework.runner import DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, run_tests
 
 RESULTS_FILE = "runs/homework/check-all.json"
 # how pytest names the error of a test whose launch failed (tests/conftest.py); its message says

@@ -6,9 +6,9 @@ pytest.ini, the labs as the student edition has them), plant canary tests with n
 this run among the graded tests, and collect the tests from that tree (instructor code only: the
 collection is trusted: test ids, exercises, points, docstrings).
 
-Then for each archive, in the order given: validate it (helpers.homework.archive; a rejected one
+Then for each archive, in the order given: validate it (homework.archive; a rejected one
 scores 0 with the reason), put its labs/*.py over the stubs in a folder of its own, and run every
-graded test in one pytest process inside a fresh sandbox (helpers.homework.sandbox: the tree and
+graded test in one pytest process inside a fresh sandbox (homework.sandbox: the tree and
 the labs read-only, nothing else of this machine, limits, a time budget). What decides the score
 is computed out here, from what the submission cannot change:
 
@@ -41,13 +41,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.homework import archive
-from helpers.homework.exercises import changed_outside_exercises
-from helpers.homework.files import GRADING_STAMP, RELEASE_STAMP, course_files
-from helpers.homework.release import transform
-from helpers.homework.runner import (DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, child_env,
+from homework import archive
+from homework.solutions import changed_outside_exercises
+from homework.files import GRADING_STAMP, RELEASE_STAMP, course_files
+from homework.release import transform
+from homework.runner import (DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, child_env,
                                      collect, run_tests)
-from helpers.homework.sandbox import Limits, Sandbox, SandboxUnavailable, probe
+from homework.sandbox import Limits, Sandbox, SandboxUnavailable, probe
 
 DEFAULT_BUDGET_S = 1800.0   # one submission, all its tests, restarts included
 LOCK_NAME = ".grade.lock"
@@ -294,7 +294,7 @@ def _manifest(folder: Path) -> dict | None:
 
 def _manifest_flags(archive_path: Path, manifest: dict | None) -> tuple[str, list[str]]:
     """The student id from the manifest, and a flag when it does not match the file name."""
-    from helpers.homework.submit import safe_name
+    from homework.submit import safe_name
 
     if manifest is None:
         return "", ["no readable manifest.json"]

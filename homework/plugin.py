@@ -1,4 +1,4 @@
-"""pytest plugin of the homework tool: `python -m pytest -p helpers.homework.plugin ...`.
+"""pytest plugin of the homework tool: `python -m pytest -p homework.plugin ...`.
 
 The per-test event stream is pytest-reportlog's (`--report-log=PATH`, one JSON report per line,
 flushed at once, so the runner knows how far a process got even if it is killed). This plugin adds

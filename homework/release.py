@@ -23,13 +23,13 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.homework.exercises import (Block, ExerciseError, is_marker_like, lab_number,
+from homework.solutions import (Block, ExerciseError, is_marker_like, lab_number,
                                         notebook_for, stub_python)
-from helpers.homework.files import (RELEASE_STAMP, NotACheckout, cell_source, course_files,
+from homework.files import (RELEASE_STAMP, NotACheckout, cell_source, course_files,
                                     dump_notebook, is_instructor_only, load_instructor_only,
                                     strip_notebook)
 
-REQUIRED = ("run.sh", "README.md", "helpers/", "labs/", "tests/public/")
+REQUIRED = ("run.sh", "README.md", "helpers/", "homework/", "labs/", "tests/public/")
 DISTINCTIVE_CHARS = 12   # shorter solution lines ("return out") are too common to tell anything
 WARN_CHARS = 20          # a solution line shown elsewhere too is worth a warning from this long
 SUBSTRING_CHARS = 24     # solution lines this long also count when found inside a longer line

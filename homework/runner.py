@@ -11,10 +11,10 @@ Reports come from pytest-reportlog (one JSON line per setup/call/teardown, flush
 a FIFO, and are checked as they arrive: a test passes only with its setup, call and teardown
 reported passed, in order, once each. Anything else a pytest process would never write (a report
 twice, a report for a test that is not the one running, an unreadable line) is recorded as
-`tampering`: the code under test writes to the same channel, see helpers.homework.grade.
+`tampering`: the code under test writes to the same channel, see homework.grade.
 
 Where the process runs is the caller's choice: `Direct` (the student's own checks, under the
-helpers.procs guard that kills the whole tree) or helpers.homework.sandbox.Sandbox (grading).
+helpers.procs guard that kills the whole tree) or homework.sandbox.Sandbox (grading).
 Output is drained and only its head and tail kept, so a flood costs neither memory nor disk.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers import procs
-from helpers.homework.plugin import CATEGORIES, CATEGORY_KEY, COLLECTION_OPTION, STUB_KEY, WHERE_KEY
+from homework.plugin import CATEGORIES, CATEGORY_KEY, COLLECTION_OPTION, STUB_KEY, WHERE_KEY
 
 DEFAULT_TIMEOUT_S = 120.0
 OUTPUT_KEEP_BYTES = 64_000          # head and tail of each pytest process's output kept for logs
@@ -47,7 +47,7 @@ MAX_TAMPERING = 20                  # anomalies kept per process (the rest are c
 # what a test's result can be; grading feedback shows only these words, never a message
 OUTCOMES = ("passed", "failed", "error", "not_implemented", "skipped", "timeout", "crashed",
             "load_error", "not_run")
-PLUGINS = ("pytest_timeout", "pytest_reportlog.plugin", "helpers.homework.plugin")
+PLUGINS = ("pytest_timeout", "pytest_reportlog.plugin", "homework.plugin")
 
 
 @dataclass

@@ -20,10 +20,10 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from helpers.homework import archive
-from helpers.homework.check import run_check, saved_results
-from helpers.homework.files import caller_dir, dump_notebook, strip_notebook
-from helpers.homework.runner import DEFAULT_TIMEOUT_S
+from homework import archive
+from homework.check import run_check, saved_results
+from homework.files import caller_dir, dump_notebook, strip_notebook
+from homework.runner import DEFAULT_TIMEOUT_S
 
 STUDENT_ENV = "COURSE_STUDENT_ID"
 DEFAULT_BUDGET_S = 900.0

@@ -1,4 +1,4 @@
-"""Tests of the homework cycle (helpers/homework): release, check, submit, archive checks.
+"""Tests of the homework cycle (homework): release, check, submit, archive checks.
 
 They run on the tiny synthetic course of tests/homework_fixtures/course.py (labs 90 and 91). The
 grading tests, which attack the sandbox for real, are in tests/test_homework_grading.py. The last
@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers.homework import archive
-from helpers.homework.check import run_check
-from helpers.homework.release import ReleaseError, release
+from homework import archive
+from homework.check import run_check
+from homework.release import ReleaseError, release
 from tests.homework_fixtures.course import (BEGIN, END, REPO, file_member, make_course,
                                             tar_with)
 
 
 def split_solution(text: str) -> tuple[list[str], list[str]]:
     """(stripped lines between the markers, stripped lines outside), read independently of
-    helpers.homework."""
+    homework."""
     inside_lines, outside_lines, inside = [], [], False
     for line in text.splitlines():
         if line.strip() == BEGIN:
@@ -81,7 +81,7 @@ def test_release_stubs_every_block_and_leaks_no_solution(course, student):
     # hidden tests and instructor-only files stay home; what students need ships
     assert not any(rel.startswith("tests/hidden/") for rel in texts)
     assert ".instructor-only" not in texts
-    for rel in ("run.sh", "README.md", "helpers/launch.py", "helpers/homework/check.py",
+    for rel in ("run.sh", "README.md", "helpers/launch.py", "homework/check.py",
                 "tests/public/test_lab90_fixture.py", "labs/lab90_fixture.py"):
         assert rel in texts, rel
     assert os.access(out / "run.sh", os.X_OK), "run.sh must stay executable"
@@ -199,7 +199,7 @@ def test_check_reports_a_wrong_answer_as_failed_with_its_message(tmp_path):
 def test_debug_with_names_a_file_that_really_failed(tmp_path):
     """`Debug with:` names the file of a test that failed, not the first file whose tests only met
     an exercise's stub (the lab 03 case: the classifier's stubs before BucketedDDP's failures)."""
-    from helpers.homework.release import transform
+    from homework.release import transform
 
     root = make_course(tmp_path)
     lab = root / "labs" / "lab90_fixture.py"
@@ -298,7 +298,7 @@ def test_c_after_the_crash():
 
 
 def test_one_pytest_process_runs_every_file_and_another_only_after_a_crash(tmp_path):
-    from helpers.homework.runner import Direct, run_tests
+    from homework.runner import Direct, run_tests
 
     root = make_course(tmp_path)
     (root / "tests" / "public" / "test_lab92_crash.py").write_text(CRASHING)
@@ -319,7 +319,7 @@ def test_a_stub_raised_inside_a_rank_counts_as_not_implemented():
     the student-journey test runs real ranks)."""
     from types import SimpleNamespace
 
-    from helpers.homework.plugin import category
+    from homework.plugin import category
 
     stub = ("Exercise rank_sum (notebook 91): Sum `value` over the ranks. Fill in the block in "
             "labs/lab91_fixture.py and run ./run.sh check 91")
@@ -341,7 +341,7 @@ def test_submit_packs_labs_notebooks_and_manifest(tmp_path):
     root = make_course(tmp_path)
     env = dict(os.environ, COURSE_STUDENT_ID="ada@example.org", PYTHONPATH=str(root),
                HOMEWORK_TEST_SECRET="do-not-pack-me")
-    done = subprocess.run([sys.executable, "-m", "helpers.homework", "submit", "--timeout", "60"],
+    done = subprocess.run([sys.executable, "-m", "homework", "submit", "--timeout", "60"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     path = root / done.stdout.strip().splitlines()[-1]
@@ -364,13 +364,13 @@ def test_submit_packs_labs_notebooks_and_manifest(tmp_path):
     assert b"do-not-pack-me" not in packed and str(root).encode() not in packed
     # that check covered all labs and nothing changed since: a second submit reuses its results
     assert manifest["checks"]["reused"] is False
-    again = subprocess.run([sys.executable, "-m", "helpers.homework", "submit"], cwd=root, env=env,
+    again = subprocess.run([sys.executable, "-m", "homework", "submit"], cwd=root, env=env,
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert "Reusing the results of your last `./run.sh check`" in again.stdout
     with tarfile.open(root / again.stdout.strip().splitlines()[-1]) as tar:
         assert json.loads(tar.extractfile("manifest.json").read())["checks"]["reused"] is True
-    from helpers.homework.check import saved_results
+    from homework.check import saved_results
 
     lab = root / "labs" / "lab90_fixture.py"
     lab.write_text(lab.read_text() + "\n# changed\n")

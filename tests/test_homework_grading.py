@@ -1,4 +1,4 @@
-"""Grading that the graded code cannot fool (helpers/homework/grade.py and sandbox.py), attacked
+"""Grading that the graded code cannot fool (homework/grade.py and sandbox.py), attacked
 for real.
 
 Each attack is a small payload in a real submission archive of the synthetic course
@@ -24,9 +24,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers.homework.grade import GradingError, OutLock, check_out_dir, grade
-from helpers.homework.release import transform
-from helpers.homework.sandbox import INSTALL_HINT, Limits, SandboxUnavailable, probe
+from homework.grade import GradingError, OutLock, check_out_dir, grade
+from homework.release import transform
+from homework.sandbox import INSTALL_HINT, Limits, SandboxUnavailable, probe
 from tests.homework_fixtures.course import (FIXTURES, file_member, make_course, submission,
                                             tar_with)
 
@@ -240,7 +240,7 @@ class Run:
         self.solution = (self.course / "labs" / "lab90_fixture.py").read_bytes()
         self.stubs = transform(self.course, "labs/lab90_fixture.py").data
         self.course_before = _snapshot(self.course)
-        targets = ["/course/helpers/homework/plugin.py", f"/course/{HIDDEN}",
+        targets = ["/course/homework/plugin.py", f"/course/{HIDDEN}",
                    "/course/tests/conftest.py", "/course/pytest.ini", "/course/labs/lab90_fixture.py",
                    str(self.course / "tests" / "conftest.py"), str(self.course / HIDDEN),
                    str(self.out / "grades.csv"), str(self.out / "ada-1.md"), str(self.escaped),
@@ -424,7 +424,7 @@ def test_a_manifest_that_does_not_match_its_file_name_is_flagged(run):
 
 # ---------------------------------------------------------------------------- budget, torch, workflow
 def test_a_submission_that_hangs_everywhere_stops_at_its_time_budget(tmp_path):
-    from helpers.homework.runner import Direct, run_tests
+    from homework.runner import Direct, run_tests
 
     course = make_course(tmp_path)
     (course / "tests" / "public" / "test_lab92_hangs.py").write_text(
@@ -471,7 +471,7 @@ def test_a_second_grader_on_the_same_out_is_refused(tmp_path):
 
 
 def test_relative_paths_are_the_callers_and_a_missing_archive_fails_the_run(tmp_path, monkeypatch):
-    from helpers.homework import __main__ as cli
+    from homework import __main__ as cli
 
     course = make_course(tmp_path / "instructor")
     solved = (course / "labs" / "lab90_fixture.py").read_bytes()
@@ -490,7 +490,7 @@ def test_relative_paths_are_the_callers_and_a_missing_archive_fails_the_run(tmp_
 
 
 def test_grade_refuses_without_a_sandbox_unless_unsafe(tmp_path, monkeypatch):
-    import helpers.homework.sandbox as sandbox
+    import homework.sandbox as sandbox
 
     course = make_course(tmp_path / "instructor")
     solved = (course / "labs" / "lab90_fixture.py").read_bytes()

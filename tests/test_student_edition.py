@@ -50,7 +50,7 @@ def _env(edition: Path, **extra: str) -> dict[str, str]:
 def edition(tmp_path_factory) -> Path:
     """The student edition, released once per test process."""
     dest = tmp_path_factory.mktemp("student-edition") / "course"
-    done = subprocess.run([sys.executable, "-m", "helpers.homework", "release", str(dest)],
+    done = subprocess.run([sys.executable, "-m", "homework", "release", str(dest)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                           env=_env(REPO_ROOT))
     assert done.returncode == 0, f"release failed:\n{done.stdout}\n{done.stderr}"
@@ -139,7 +139,7 @@ def test_check_submit_and_grade_from_stubs_to_full_marks(edition, tmp_path):
     # 3. The instructor grades both, hidden tests included (GRADED_LABS).
     out = tmp_path / "grades"
     labs = [arg for lab in GRADED_LABS for arg in ("--lab", lab)]
-    graded = subprocess.run([sys.executable, "-m", "helpers.homework", "grade", str(stub_archive),
+    graded = subprocess.run([sys.executable, "-m", "homework", "grade", str(stub_archive),
                              str(solved_archive), "--out", str(out), *labs], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=1500, env=_env(REPO_ROOT))
     assert graded.returncode == 0, f"grade failed:\n{graded.stdout[-3000:]}\n{graded.stderr[-3000:]}"

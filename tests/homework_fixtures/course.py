@@ -1,5 +1,5 @@
 """A tiny synthetic course for the homework tool's tests (tests/test_homework*.py), built in a
-temporary folder: a git checkout with a copy of helpers/ and pytest.ini, the fixture labs 90 (two
+temporary folder: a git checkout with a copy of helpers/, homework/ and pytest.ini, the fixture labs 90 (two
 exercises, no torch) and 91 (one exercise run on 2 ranks) with their public and hidden tests, a
 notebook, README, run.sh and .instructor-only. Instructor only (listed in .instructor-only).
 """
@@ -25,8 +25,9 @@ def notebook(cells: list[dict]) -> str:
 
 def make_course(folder: Path, labs: tuple[str, ...] = ("90",)) -> Path:
     root = folder / "course"
-    shutil.copytree(REPO / "helpers", root / "helpers",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for package in ("helpers", "homework"):
+        shutil.copytree(REPO / package, root / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy(REPO / "pytest.ini", root / "pytest.ini")
     for sub in ("labs", "tests/public", "tests/hidden", "notebooks"):
         (root / sub).mkdir(parents=True, exist_ok=True)
