@@ -127,7 +127,6 @@ install_notebook_filter() {
      "$(git -C "$ROOT" config --get diff.ipynb.textconv 2>/dev/null)" == "$filter" ]] && return 0
   git -C "$ROOT" config filter.nbstripout.clean "$filter"
   git -C "$ROOT" config filter.nbstripout.smudge cat
-  git -C "$ROOT" config filter.nbstripout.extrakeys "metadata.widgets"
   git -C "$ROOT" config diff.ipynb.textconv "$filter"
   echo "run.sh: installed the nbstripout git filter: notebook outputs, and the metadata JupyterLab rewrites, never show as changes"
 }

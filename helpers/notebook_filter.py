@@ -4,7 +4,7 @@ running and saving it in JupyterLab wrote into the working file.
 A JupyterLab save writes the outputs, the widget state, and metadata taken from the running kernel:
 the kernel's display name ("Python 3 (ipykernel)") and `language_info` with the kernel's Python
 version, which differs from one student to the next. The filter strips the outputs and the
-widget state (nbstripout, with the keys in git's `filter.nbstripout.extrakeys`) and puts the
+widget state (nbstripout's `strip_output`, with the keys in `STRIPPED_KEYS`) and puts the
 notebook metadata back to the course's one form (`COURSE_METADATA`), so a notebook that was only
 opened, run and saved shows no change in `git diff`, and `./run.sh update` can set it aside and
 pull. run.sh installs it, in this checkout only, as the clean filter and as the diff textconv:
@@ -17,9 +17,9 @@ the filter sets that kernelspec whatever kernel the file was saved with.
 """
 from __future__ import annotations
 
-import io
 import json
 import sys
+import warnings
 from typing import Any
 
 import helpers.lean_imports  # noqa: F401  (nbformat without its slow optional import)
@@ -28,7 +28,11 @@ COURSE_METADATA = {
     "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
     "language_info": {"name": "python"},
 }
-NBSTRIPOUT_ARGS = ["--keep-id"]  # the committed cell ids stay; JupyterLab keeps them too
+# What a run leaves besides the outputs and execution counts: nbstripout's own default keys (the
+# notebook's signature and widget state; cells' run timings, collapse and scroll state).
+STRIPPED_KEYS = ["metadata.signature", "metadata.widgets", "cell.metadata.collapsed",
+                 "cell.metadata.ExecuteTime", "cell.metadata.execution",
+                 "cell.metadata.heading_collapsed", "cell.metadata.hidden", "cell.metadata.scrolled"]
 
 
 def normalise(notebook: dict[str, Any]) -> dict[str, Any]:
@@ -39,16 +43,21 @@ def normalise(notebook: dict[str, Any]) -> dict[str, Any]:
     return notebook
 
 
-def normalised_bytes(data: bytes) -> bytes:
-    """The notebook in `data` with its metadata normalised; anything that is not a notebook's JSON
-    (a file with merge-conflict markers) unchanged, for nbstripout to refuse with its message."""
-    try:
-        notebook = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return data
-    if not isinstance(notebook, dict) or "cells" not in notebook:
-        return data
-    return json.dumps(normalise(notebook), ensure_ascii=False).encode("utf-8")
+def clean(text: str) -> str:
+    """The notebook in `text` as the course commits it: outputs, execution counts and
+    STRIPPED_KEYS removed (nbstripout's `strip_output`; the committed cell ids kept), the kernel
+    metadata normalised. ValueError (nbformat's NotJSONError) if it is not a notebook's JSON."""
+    import nbformat
+    from nbstripout import strip_output
+
+    with warnings.catch_warnings():  # nbformat warns about notebooks of older minor versions
+        warnings.simplefilter("ignore", UserWarning)
+        notebook = nbformat.reads(text, as_version=nbformat.NO_CONVERT)
+        normalise(notebook)
+        strip_output(notebook, keep_output=False, keep_count=False, keep_id=True,
+                     extra_keys=STRIPPED_KEYS)
+        out = nbformat.writes(notebook)
+    return out if out.endswith("\n") else out + "\n"
 
 
 def main(argv: list[str]) -> int:
@@ -61,14 +70,12 @@ def main(argv: list[str]) -> int:
             data = f.read()
     else:
         data = sys.stdin.buffer.read()
-    from nbstripout import main as nbstripout_main  # reads stdin, writes stdout
-
-    sys.stdin = io.TextIOWrapper(io.BytesIO(normalised_bytes(data)), encoding="utf-8")
-    sys.argv = ["nbstripout", *NBSTRIPOUT_ARGS]
     try:
-        nbstripout_main()
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 1
+        text = clean(data.decode("utf-8"))
+    except ValueError:  # merge-conflict markers, or not a notebook: git shows this and stops
+        print(f"No valid notebook detected in {argv[0] if argv else 'stdin'}", file=sys.stderr)
+        return 1
+    sys.stdout.buffer.write(text.encode("utf-8"))
     return 0
 
 

@@ -4,7 +4,7 @@
     python -m homework check [NN]              # student: public tests, summary per exercise
     python -m homework submit                  # student: checks + archive (path = last line)
     python -m homework grade A.tar.gz... --out DIR   # instructor: hidden + public tests,
-                                                             # each submission in a sandbox
+                                                     # each submission in a sandbox
 
 (`./run.sh check|submit|release|grade ...` runs the same from the repository root.)
 

@@ -7,12 +7,12 @@ edition leaves out; DEFAULT_INSTRUCTOR_ONLY applies even without that file.
 """
 from __future__ import annotations
 
-import json
 import os
-import re
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from pathspec import GitIgnoreSpec
 
 INSTRUCTOR_ONLY_FILE = ".instructor-only"
 RELEASE_STAMP = ".student-edition"    # marks a folder written by release
@@ -21,8 +21,6 @@ CALLER_ENV = "COURSE_CALLER_CWD"       # run.sh: the folder it was started from 
 DEFAULT_INSTRUCTOR_ONLY = ("tests/hidden/**", INSTRUCTOR_ONLY_FILE)
 ALWAYS_SKIPPED_DIRS = {".git", ".venv", "venv", "__pycache__", ".ipynb_checkpoints", ".pytest_cache",
                        "node_modules", ".mypy_cache", ".ruff_cache"}
-# Cell metadata that records a run (timings, scroll state), dropped like nbstripout does.
-VOLATILE_CELL_METADATA = ("execution", "ExecuteTime", "collapsed", "scrolled")
 
 
 class NotACheckout(RuntimeError):
@@ -70,40 +68,19 @@ def _git_files(root: Path) -> list[str]:
     return [p for p in done.stdout.decode("utf-8", "surrogateescape").split("\0") if p]
 
 
-def load_instructor_only(root: Path) -> list[str]:
-    patterns = list(DEFAULT_INSTRUCTOR_ONLY)
+def instructor_only(root: Path) -> GitIgnoreSpec:
+    """What the student edition leaves out: DEFAULT_INSTRUCTOR_ONLY and the patterns of
+    `.instructor-only`, in gitignore's syntax (pathspec's GitIgnoreSpec): `tests/hidden/**`, a
+    folder name for everything in it, `*` within a name, `**` across folders."""
+    lines = list(DEFAULT_INSTRUCTOR_ONLY)
     path = root / INSTRUCTOR_ONLY_FILE
     if path.is_file():
-        for line in path.read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                patterns.append(line)
-    return patterns
+        lines += [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
+    return GitIgnoreSpec.from_lines([line for line in lines if line])
 
 
-def _glob_regex(pattern: str) -> re.Pattern[str]:
-    out, i = "", 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out, i = out + "(?:.*/)?", i + 3
-        elif pattern.startswith("**", i):
-            out, i = out + ".*", i + 2
-        elif pattern[i] == "*":
-            out, i = out + "[^/]*", i + 1
-        elif pattern[i] == "?":
-            out, i = out + "[^/]", i + 1
-        else:
-            out, i = out + re.escape(pattern[i]), i + 1
-    return re.compile(out + "(?:/.*)?")  # a pattern naming a folder covers what is inside
-
-
-def glob_match(rel: str, pattern: str) -> bool:
-    """`tests/hidden/**`, `**/solutions/*.py`, `notes/` and plain paths, relative to the root."""
-    return bool(_glob_regex(pattern.strip("/")).fullmatch(rel))
-
-
-def is_instructor_only(rel: str, patterns: list[str]) -> bool:
-    return any(glob_match(rel, p) for p in patterns)
+def is_instructor_only(rel: str, spec: GitIgnoreSpec) -> bool:
+    return spec.match_file(rel)
 
 
 # --- notebooks ---------------------------------------------------------------------------------
@@ -113,18 +90,10 @@ def cell_source(cell: dict[str, Any]) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
-def strip_notebook(nb: dict[str, Any]) -> dict[str, Any]:
-    """Outputs, execution counts, run metadata and widget state removed (in place, returned)."""
-    for cell in nb.get("cells", []):
-        if cell.get("cell_type") == "code":
-            cell["outputs"] = []
-            cell["execution_count"] = None
-        metadata = cell.get("metadata", {})
-        for key in VOLATILE_CELL_METADATA:
-            metadata.pop(key, None)
-    nb.get("metadata", {}).pop("widgets", None)
-    return nb
+def clean_notebook(text: str) -> str:
+    """The notebook in `text` as the course commits it: no outputs, execution counts, run metadata
+    or widget state, the course's kernel metadata (the git filter's own cleaning:
+    helpers.notebook_filter). ValueError if it is not a notebook."""
+    from helpers.notebook_filter import clean
 
-
-def dump_notebook(nb: dict[str, Any]) -> str:
-    return json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    return clean(text)

@@ -46,7 +46,7 @@ from homework.solutions import changed_outside_exercises
 from homework.files import GRADING_STAMP, RELEASE_STAMP, course_files
 from homework.release import transform
 from homework.runner import (DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, child_env,
-                                     collect, run_tests)
+                             collect, run_tests)
 from homework.sandbox import Limits, Sandbox, SandboxUnavailable, probe
 
 DEFAULT_BUDGET_S = 1800.0   # one submission, all its tests, restarts included

@@ -23,11 +23,12 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pathspec import GitIgnoreSpec
+
 from homework.solutions import (Block, ExerciseError, is_marker_like, lab_number,
-                                        notebook_for, stub_python)
+                                notebook_for, stub_python)
 from homework.files import (RELEASE_STAMP, NotACheckout, cell_source, course_files,
-                                    dump_notebook, is_instructor_only, load_instructor_only,
-                                    strip_notebook)
+                            clean_notebook, instructor_only, is_instructor_only)
 
 REQUIRED = ("run.sh", "README.md", "helpers/", "homework/", "labs/", "tests/public/")
 DISTINCTIVE_CHARS = 12   # shorter solution lines ("return out") are too common to tell anything
@@ -95,8 +96,7 @@ def _transform_notebook(rel: str, data: bytes) -> Transformed:
                 raise ExerciseError(f"{rel} (cell {index}):{number}: a solution marker in a notebook; "
                                     "exercises live in labs/*.py (the notebook calls them)")
         public += text.splitlines()
-    strip_notebook(nb)
-    return Transformed(dump_notebook(nb).encode("utf-8"), [], public, cleared=True)
+    return Transformed(clean_notebook(data.decode("utf-8")).encode("utf-8"), [], public, cleared=True)
 
 
 def _git_commit(root: Path) -> str:
@@ -148,7 +148,7 @@ def _output_lines(folder: Path, rel: str) -> list[str] | None:
         return None
 
 
-def verify(staging: Path, written: dict[str, Transformed], patterns: list[str],
+def verify(staging: Path, written: dict[str, Transformed], patterns: GitIgnoreSpec,
            strict: bool) -> tuple[list[str], list[str]]:
     """Problems (refuse) and warnings (ship) about the edition in `staging`."""
     problems: list[str] = []
@@ -231,7 +231,7 @@ def release(root: Path, out_dir: Path, force: bool = False, strict: bool = False
     if out_dir.is_relative_to(root):  # the target inside the course is not part of it
         inside = out_dir.relative_to(root).as_posix() + "/"
         files = [rel for rel in files if not rel.startswith(inside)]
-    patterns = load_instructor_only(root)
+    patterns = instructor_only(root)
     shipped = [rel for rel in files if not is_instructor_only(rel, patterns)]
     left_out = [rel for rel in files if is_instructor_only(rel, patterns)]
     for required in REQUIRED:

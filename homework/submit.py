@@ -22,7 +22,7 @@ from pathlib import Path
 
 from homework import archive
 from homework.check import run_check, saved_results
-from homework.files import caller_dir, dump_notebook, strip_notebook
+from homework.files import caller_dir, clean_notebook
 from homework.runner import DEFAULT_TIMEOUT_S
 
 STUDENT_ENV = "COURSE_STUDENT_ID"
@@ -78,7 +78,7 @@ def collect_files(root: Path, log=print) -> dict[str, bytes]:
             data = path.read_bytes()
             if suffix == ".ipynb":
                 try:
-                    data = dump_notebook(strip_notebook(json.loads(data))).encode("utf-8")
+                    data = clean_notebook(data.decode("utf-8")).encode("utf-8")
                 except ValueError:
                     log(f"  warning: {name} is not valid notebook JSON; packed as it is")
             files[name] = data
