@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds per test (default %(default)g)")
     grade.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                        help="seconds per submission, all its tests together (default %(default)g)")
+    grade.add_argument("--jobs", type=int, default=None,
+                       help="submissions graded at once, each in its own sandbox (default: one per "
+                            "4 cores, at least one)")
     grade.add_argument("--lab", action="append", default=None,
                        help="grade only lab NN's tests (repeat for several)")
     grade.add_argument("--unsafe", action="store_true",
@@ -53,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if getattr(args, "timeout", 1) <= 0 or getattr(args, "budget", 1) <= 0:
-        print("--timeout and --budget must be positive", file=sys.stderr)
+    if getattr(args, "timeout", 1) <= 0 or getattr(args, "budget", 1) <= 0 or \
+            (getattr(args, "jobs", None) is not None and args.jobs < 1):
+        print("--timeout, --budget and --jobs must be positive", file=sys.stderr)
         return 2
     if args.command == "check":
         from homework.check import normalise_lab, run_check
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         labs = [normalise_lab(lab) for lab in args.lab] if args.lab else None
         rows = grade([from_caller(a) for a in args.archives], from_caller(args.out), ROOT,
-                     args.timeout, labs, budget=args.budget, unsafe=args.unsafe)
+                     args.timeout, labs, budget=args.budget, unsafe=args.unsafe, jobs=args.jobs)
     except (GradingError, NotACheckout, ValueError) as exc:
         print(f"grade: {exc}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ hidden tests: for the instructor only; DIR may not be a folder that `release` wo
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import csv
 import datetime
 import fcntl
@@ -37,6 +38,7 @@ import random
 import re
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,7 @@ from homework.runner import (DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, child
 from homework.sandbox import Limits, Sandbox, SandboxUnavailable, probe
 
 DEFAULT_BUDGET_S = 1800.0   # one submission, all its tests, restarts included
+RANKS_PER_SUBMISSION = 4    # processes one submission keeps busy: its largest test launch's ranks
 LOCK_NAME = ".grade.lock"
 WORK_PREFIX = ".work-"
 RESULT_TEXT = {
@@ -84,6 +87,7 @@ class Graded:
     note: str = ""
     flags: list[str] = field(default_factory=list)
     student: str = ""
+    started: float = 0.0      # time.monotonic() when its grading began
     seconds: float = 0.0
     graded: bool = True       # False: rejected or failed on our side (grade exits non-zero)
 
@@ -307,10 +311,16 @@ def _manifest_flags(archive_path: Path, manifest: dict | None) -> tuple[str, lis
 
 
 # ---------------------------------------------------------------------------- grading
+def default_jobs(cores: int | None = None) -> int:
+    """Submissions graded at once: one per RANKS_PER_SUBMISSION cores (a submission's tests run one
+    at a time, and one of them keeps at most that many processes busy), at least one."""
+    return max(1, (cores or os.cpu_count() or 1) // RANKS_PER_SUBMISSION)
+
+
 def grade(archives: list[Path], out_dir: Path, root: Path, timeout: float = DEFAULT_TIMEOUT_S,
           labs: list[str] | None = None, grace: float | None = None,
           budget: float = DEFAULT_BUDGET_S, unsafe: bool = False, limits: Limits = Limits(),
-          seed: int | None = None, log=print) -> list[Graded]:
+          seed: int | None = None, jobs: int | None = None, log=print) -> list[Graded]:
     root, out_dir = Path(root).resolve(), Path(out_dir).resolve()
     check_out_dir(root, out_dir)
     files = graded_test_files(root, labs)
@@ -334,13 +344,13 @@ def grade(archives: list[Path], out_dir: Path, root: Path, timeout: float = DEFA
         work.mkdir(mode=0o700)
         try:
             return _grade_all(archives, out_dir, root, work, files, timeout, grace, budget, unsafe,
-                              limits, random.Random(seed), log)
+                              limits, random.Random(seed), jobs or default_jobs(), log)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
 
 def _grade_all(archives, out_dir, root, work, files, timeout, grace, budget, unsafe, limits, rng,
-               log) -> list[Graded]:
+               jobs, log) -> list[Graded]:
     base = work / "base"
     build_base_tree(root, base)
     canaries = plant_canaries(base, files, rng)
@@ -353,21 +363,25 @@ def _grade_all(archives, out_dir, root, work, files, timeout, grace, budget, uns
     if missing:
         raise GradingError(f"canary tests were not collected: {sorted(missing)}")
     max_score = sum(t.points for t in tests)
+    jobs = max(1, min(jobs, len(archives)))
     log(f"Grading {len(archives)} submission(s) with {len(tests)} tests from {len(files)} file(s), "
-        f"{_fmt(max_score)} points, at most {timeout:g} s per test and {budget:g} s per submission"
-        + (f"; {UNSAFE_TEXT}" if unsafe else ", each in a sandbox."))
-    rows: list[Graded] = []
+        f"{_fmt(max_score)} points, at most {timeout:g} s per test and {budget:g} s per submission, "
+        f"{jobs} at a time" + (f"; {UNSAFE_TEXT}" if unsafe else ", each in a sandbox of its own."))
     taken: set[str] = set()
-    for number, path in enumerate(archives, start=1):
-        graded = Graded(submission_name(Path(path), taken), Path(path), max_score=max_score)
-        start = time.monotonic()
+    rows = [Graded(submission_name(Path(path), taken), Path(path), max_score=max_score)
+            for path in archives]
+    done: set[int] = set()  # id() of the rows graded so far
+    lock = threading.Lock()
+
+    def one(number: int, graded: Graded) -> None:
+        start = graded.started = time.monotonic()
         sub = work / f"sub{number}"
         try:
             _grade_one(graded, sub, base, files, collected, tests, canaries, timeout, grace,
                        start + budget, unsafe, limits, out_dir / "logs" / f"{graded.submission}.log")
         except archive.ArchiveRejected as exc:
             graded.note, graded.graded = f"rejected: {exc}", False
-        except Exception as exc:  # our side failed on this one: say so, go on to the next
+        except Exception as exc:  # our side failed on this one: say so, go on with the others
             graded.score, graded.points, graded.graded = 0.0, {}, False
             graded.note = f"grading failed: {type(exc).__name__}: {exc}"
         finally:
@@ -375,13 +389,18 @@ def _grade_all(archives, out_dir, root, work, files, timeout, grace, budget, uns
         if unsafe:
             graded.flags.append("graded without a sandbox (--unsafe)")
         graded.seconds = time.monotonic() - start
-        rows.append(graded)
         write_feedback(out_dir / f"{graded.submission}.md", graded, tests)
-        write_csv(out_dir / "grades.csv", rows, tests)  # after each one: a crash loses nothing
-        log(f"[{number}/{len(archives)}] {graded.submission}: {_fmt(graded.score)}/{_fmt(max_score)}"
-            + (f" ({graded.note})" if graded.note else "")
-            + (f" [flags: {'; '.join(graded.flags)}]" if graded.flags else "")
-            + f" in {graded.seconds:.0f} s")
+        with lock:  # grades.csv after each one, in the order given: a crash loses nothing
+            done.add(id(graded))
+            write_csv(out_dir / "grades.csv", [row for row in rows if id(row) in done], tests)
+            log(f"[{len(done)}/{len(rows)}] {graded.submission}: {_fmt(graded.score)}/{_fmt(max_score)}"
+                + (f" ({graded.note})" if graded.note else "")
+                + (f" [flags: {'; '.join(graded.flags)}]" if graded.flags else "")
+                + f" in {graded.seconds:.0f} s")
+
+    with concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="grade") as pool:
+        for future in [pool.submit(one, number, graded) for number, graded in enumerate(rows, 1)]:
+            future.result()
     log(f"Wrote {out_dir / 'grades.csv'} and one feedback file per submission in {out_dir}.")
     return rows
 

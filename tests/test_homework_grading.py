@@ -422,6 +422,45 @@ def test_a_manifest_that_does_not_match_its_file_name_is_flagged(run):
     assert "Student (from the manifest): bob" in run.feedback["carol-20250101T000000Z"]
 
 
+PARALLEL_WRITER = f"""
+import pathlib, time
+pathlib.Path("/tmp/{TAG}-marker").write_text("another submission was here")
+time.sleep(3)
+"""
+PARALLEL_READER = f"""
+import pathlib, time
+time.sleep(1.5)
+if pathlib.Path("/tmp/{TAG}-marker").exists():  # the other submission's scratch: must not be seen
+    def add_vectors(a, b):
+        return []
+"""
+
+
+def test_submissions_graded_at_once_each_in_a_sandbox_of_its_own(tmp_path):
+    """--jobs 2: two submissions are graded at the same time, and neither sees the other's files:
+    one writes into its /tmp while the other looks there (it would then break itself)."""
+    course = make_course(tmp_path / "instructor")
+    solved = (course / "labs" / "lab90_fixture.py").read_bytes()
+    paths = [submission(tmp_path / f"{name}.tar.gz", {"lab90_fixture.py": solved + payload.encode()}, name)
+             for name, payload in (("writer", PARALLEL_WRITER), ("reader", PARALLEL_READER))]
+    rows = grade(paths, tmp_path / "grades", course, labs=["90"], jobs=2, log=lambda *a: None)
+    assert [(row.submission, row.score) for row in rows] == [("writer", 7), ("reader", 7)], \
+        [(row.submission, row.score, row.note, row.flags) for row in rows]
+    writer, reader = rows
+    assert abs(writer.started - reader.started) < min(writer.seconds, reader.seconds), (
+        "with --jobs 2 the two submissions must be graded at the same time: "
+        f"started {reader.started - writer.started:+.1f} s apart, took {writer.seconds:.1f} and "
+        f"{reader.seconds:.1f} s")
+    assert not Path(f"/tmp/{TAG}-marker").exists(), "a sandbox's /tmp is its own, gone with it"
+
+
+def test_default_jobs_follow_the_cores():
+    """One submission at a time per 4 cores (a test launches up to 4 ranks), at least one."""
+    from homework.grade import default_jobs
+
+    assert [default_jobs(cores) for cores in (1, 2, 4, 7, 8, 64)] == [1, 1, 1, 1, 2, 16]
+
+
 # ---------------------------------------------------------------------------- budget, torch, workflow
 def test_a_submission_that_hangs_everywhere_stops_at_its_time_budget(tmp_path):
     from homework.runner import Direct, run_tests
