@@ -18,14 +18,16 @@ sessions of their own, so they are left running. Here:
 - single node uses `--standalone` (torchrun picks a free port): two launches never collide;
 - each rank's `ctx.report(...)` values come back in `LaunchResult.results`, indexed by rank.
 
-`fork_ranks=True` (the tests use it) starts the ranks as forks of torchrun (`--run-path
---start-method fork`, Linux only) instead of as fresh `python -u script` processes, so no rank
-imports torch again: about 1.8 CPU-s less per rank, most of a small launch's cost. The script, its
-ranks and what they report are the same; what differs is torchrun's own failure summary (the
-multiprocessing form, whose "Root Cause" may name a rank that only saw its peer go), so what
-students run, the lessons about torchrun's reports, and restarts use the default. Left unset,
-`fork_ranks` follows COURSE_FORK_RANKS=1 (the tests set it while they run notebooks 00-09:
-tests/conftest.py), except for a launch that restarts.
+`fork_ranks=True` (the tests use it) starts torchrun from this process's warm launcher
+(`helpers.warm`: a process that imported torch once; no torchrun import per launch) and the ranks
+as forks of torchrun (`--run-path --start-method fork`, Linux only) instead of as fresh `python -u
+script` processes, so neither torchrun nor any rank imports torch again: a two-rank launch that
+does nothing takes about 0.9 s instead of 3. The script, its ranks and what they report are the
+same; what differs is torchrun's own failure summary (the multiprocessing form, whose "Root
+Cause" may name a rank that only saw its peer go), so what students run, the lessons about
+torchrun's reports, and restarts use the default. Left unset, `fork_ranks` follows
+COURSE_FORK_RANKS=1 (the tests set it while they run the notebooks: tests/conftest.py), except
+for a launch that restarts.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from helpers import procs
+from helpers import procs, warm
 from helpers.dist import FINISHED, RESULTS_ENV, gpu_count
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -173,7 +175,8 @@ def launch(
             # (pytorch/pytorch#135712): give every attempt a fresh one.
             child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         start = time.perf_counter()
-        returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream)
+        returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream,
+                                                    warm_start=fork_ranks)
         seconds = time.perf_counter() - start
         if os.environ.get("COURSE_LAUNCH_LOG"):  # maintainers: where a test run's launches go
             with contextlib.suppress(OSError), open(os.environ["COURSE_LAUNCH_LOG"], "a") as log:
@@ -288,10 +291,19 @@ def _child_env(results_dir: Path, nproc: int, extra: Mapping[str, str] | None) -
     return env
 
 
-def _run_streaming(cmd: list[str], env: dict[str, str], timeout: float, stream: bool):
-    """Run torchrun under a guard, streaming lines; end the whole tree on timeout or interrupt."""
-    proc = procs.start(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1)
+def _run_streaming(cmd: list[str], env: dict[str, str], timeout: float, stream: bool,
+                   warm_start: bool = False):
+    """Run torchrun under a guard, streaming lines; end the whole tree on timeout or interrupt.
+    `warm_start`: from this process's warm launcher (helpers.warm), when it can."""
+    proc = None
+    if warm_start and warm.available():
+        try:
+            proc = warm.start(cmd[3:], env, REPO_ROOT)  # cmd[3:]: after python -m torch.distributed.run
+        except OSError:
+            proc = None  # a fresh torchrun, below
+    if proc is None:
+        proc = procs.start(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1)
     lines: queue.Queue[str | None] = queue.Queue()
     reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
     reader.start()

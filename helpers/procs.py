@@ -113,7 +113,14 @@ PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 def guard(cmd: Sequence[str]) -> int:
     """Run `cmd`; kill its whole tree when it exits, when we are told to stop, or when our parent dies."""
-    parent = os.getppid()
+    return supervise(lambda: subprocess.Popen(list(cmd), preexec_fn=_child_dies_with_guard),
+                     watch=os.getppid())
+
+
+def supervise(start_child, watch: int) -> int:
+    """Be the guard of the child `start_child()` starts (a Popen, or a `Forked`): end its whole
+    tree when it exits, when we get SIGTERM, SIGINT or SIGHUP, or when process `watch` (whoever the
+    tree must not outlive) is gone. Returns the child's exit status (128 + N for a signal N)."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     stop = {"signal": 0}
@@ -123,25 +130,73 @@ def guard(cmd: Sequence[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    if os.getppid() != parent:  # the parent died before PDEATHSIG was armed
+    if not _exists(watch):  # it died before PDEATHSIG was armed
         return 1
-    child = subprocess.Popen(list(cmd), preexec_fn=_child_dies_with_guard)
+    child = start_child()
     tracked: dict[int, psutil.Process] = {}
     me = os.getpid()
     code = None
     while True:
         tracked.update({p.pid: p for p in descendants(me)})
         code = child.poll()
-        if code is not None or stop["signal"] or os.getppid() != parent:
+        if code is not None or stop["signal"] or not _exists(watch):
             break
         time.sleep(POLL_S)
+    if code is None:  # told to stop: the child may have ended meanwhile (then its status stands)
+        code = child.poll()
     grace = TERM_GRACE_S if code is None else 0.0
     kill_tree(child.pid, tracked.values(), grace=grace)
     if code is None:
-        child.wait()
-        code = child.returncode
+        code = child.wait()
     _reap_orphans()
     return code if code >= 0 else 128 - code
+
+
+def _exists(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class Forked:
+    """`fn()` in a forked child (it dies with us), with the Popen calls `supervise` uses; its exit
+    status is `fn`'s return value (an exception: its traceback on stderr, and 1)."""
+
+    def __init__(self, fn):
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                _child_dies_with_guard()
+                code = fn()
+            except BaseException:  # noqa: BLE001  the child's end, whatever ended it
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code if isinstance(code, int) else 1)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by kill_tree (psutil), which killed it
+                pid, status = self.pid, signal.SIGKILL
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            try:
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            except ChildProcessError:  # reaped by kill_tree (psutil), which killed it
+                self.returncode = -signal.SIGKILL
+        return self.returncode
 
 
 def _child_dies_with_guard() -> None:

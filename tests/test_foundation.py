@@ -196,7 +196,8 @@ def test_rank_that_never_joins_times_out_and_leaves_nothing():
     assert_all_gone(pids)
 
 
-def test_launcher_timeout_kills_every_rank(tmp_path):
+@pytest.mark.parametrize("fork_ranks", [False, True], ids=["fresh ranks", "warm launcher"])
+def test_launcher_timeout_kills_every_rank(tmp_path, fork_ranks):
     """The launcher's own timeout ends every rank. On a loaded machine the ranks may not exist yet
     when a short timeout fires, which would check nothing: then try again with a longer one."""
     for timeout in (8, 30, 90):
@@ -204,7 +205,7 @@ def test_launcher_timeout_kills_every_rank(tmp_path):
         pid_dir.mkdir()
         with pytest.raises(LaunchError, match=f"timed out after {timeout} s") as info:
             launch(SCRIPTS / "hang_rank.py", "--all", nproc=2, timeout=timeout, stream=False,
-                   env={"HANG_PID_DIR": str(pid_dir)})
+                   env={"HANG_PID_DIR": str(pid_dir)}, fork_ranks=fork_ranks)
         pids = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
         if len(pids) == 2:
             break
@@ -274,10 +275,12 @@ def test_interrupted_launch_leaves_no_process_and_says_so_in_one_line(tmp_path, 
             os.killpg(parent.pid, signal.SIGKILL)
 
 
-def test_killed_launching_process_takes_its_ranks_along(tmp_path):
+@pytest.mark.parametrize("fork_ranks", [False, True], ids=["fresh ranks", "warm launcher"])
+def test_killed_launching_process_takes_its_ranks_along(tmp_path, fork_ranks):
     """Restarting a busy Jupyter kernel SIGKILLs it: no cleanup code of it runs, yet no rank may
-    outlive it (the guard in helpers.procs notices its parent died)."""
-    parent, pids = _start_launching_process(tmp_path)
+    outlive it (the guard in helpers.procs notices its parent died; with forked ranks, the warm
+    launcher (helpers.warm) and each guard it forked notice that the launching process died)."""
+    parent, pids = _start_launching_process(tmp_path, fork_ranks)
     tree = [p.pid for p in psutil.Process(parent.pid).children(recursive=True)]
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
