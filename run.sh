@@ -22,27 +22,39 @@ usage: ./run.sh [COMMAND] [ARGS...]
   grade ARCHIVE... --out DIR   (instructors) grade submissions
   -h, --help           this text
 
-Environment:
-  NPROC=N        ranks per node (default: the GPU count when >= 2, else 2 on the CPU)
-  NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node runs (see README)
-  DIST_TIMEOUT=S process-group timeout in seconds (default 60)
-  LAB_TIMEOUT=S  time limit for one lab file under ./run.sh or ./run.sh NN (default 900)
-  COURSE_SMOKE=1 small sizes (set by ./run.sh test)
-  COURSE_DEVICE=cpu   use gloo on the CPU even when GPUs are present
-  TEST_WORKERS=N pytest processes for ./run.sh test (default 3)
+Settings (environment variables; helpers/config.py reads them):
 EOF
+  local base
+  if base="$(find_base_python)"; then
+    "$base" -m helpers.config text
+  else
+    echo "  (a Python 3.10 or newer shows them here; the README lists them too)"
+  fi
 }
 
 die() { echo "run.sh: $*" >&2; exit 2; }
+
+# A Python 3.10 or newer on PATH (COURSE_PYTHON if set): it checks the settings before anything
+# starts, and makes .venv on the first run.
+find_base_python() {
+  if [[ -n "${COURSE_PYTHON:-}" ]]; then echo "$COURSE_PYTHON"; return 0; fi
+  local candidate
+  for candidate in python3 python3.13 python3.12 python3.11 python3.10 python; do
+    if command -v "$candidate" >/dev/null 2>&1 && \
+       "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+      echo "$candidate"; return 0
+    fi
+  done
+  return 1
+}
 
 # ---- check the input before anything starts ---------------------------------------------------
 cmd="${1:-labs}"
 case "$cmd" in
   -h|--help|help) usage; exit 0 ;;
 esac
-if [[ -n "${NPROC:-}" && ! "${NPROC}" =~ ^[1-9][0-9]*$ ]]; then
-  die "NPROC must be a positive whole number of ranks, got '${NPROC}' (e.g. NPROC=2 ./run.sh)"
-fi
+BASE_PY="$(find_base_python)" || die "Python 3.10 or newer is needed and none was found on PATH: install it (python.org or your package manager), then run ./run.sh again"
+"$BASE_PY" -m helpers.config check || exit 2  # one line naming the setting, e.g. NPROC=two
 case "$cmd" in
   labs|test|check|submit|jupyter|update|release|grade) ;;
   [0-9]|[0-9][0-9])
@@ -90,16 +102,8 @@ find_python() {
     PY="$ROOT/.venv/bin/python"; return
   fi
   if [[ ! -x .venv/bin/python ]]; then
-    local base=""
-    for candidate in python3 python3.13 python3.12 python3.11 python3.10 python; do
-      if command -v "$candidate" >/dev/null 2>&1 && \
-         "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-        base="$candidate"; break
-      fi
-    done
-    [[ -n "$base" ]] || die "Python 3.10 or newer is needed and none was found on PATH: install it (python.org or your package manager), then run ./run.sh again"
-    echo "run.sh: creating .venv with $("$base" --version 2>&1) (first run only)"
-    "$base" -m venv .venv || die "could not create .venv (on Debian/Ubuntu: apt install python3-venv)"
+    echo "run.sh: creating .venv with $("$BASE_PY" --version 2>&1) (first run only)"
+    "$BASE_PY" -m venv .venv || die "could not create .venv (on Debian/Ubuntu: apt install python3-venv)"
   fi
   echo "run.sh: installing requirements.txt into .venv (torch is the CPU build: a few minutes)"
   # pip would byte-compile the ~11,000 installed modules one at a time (half of the install's
@@ -204,7 +208,7 @@ case "$cmd" in
     # order tests/conftest.py gives the files (longest first); xdist would put the files with
     # the most tests first, and so the minutes-long single tests last.
     "$PY" -m pytest -p helpers.lean_imports tests notebooks --nbmake --nbmake-timeout=600 \
-      -n "${TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder \
+      -n "$("$PY" -m helpers.config get TEST_WORKERS)" --dist loadgroup --no-loadscope-reorder \
       --ignore=tests/public --durations=30 "$@" || status=$?
     if [[ $status -eq 5 ]]; then echo "run.sh: pytest found no tests" >&2; fi
     exit $status

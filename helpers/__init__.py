@@ -2,12 +2,12 @@
 tables and plots (show), and the run mode below."""
 from __future__ import annotations
 
-import os
-
 
 def smoke() -> bool:
     """COURSE_SMOKE=1 shrinks sizes and steps (CI and `./run.sh test`); students get full size."""
-    return os.environ.get("COURSE_SMOKE", "") not in ("", "0")
+    from helpers.config import settings
+
+    return settings().smoke
 
 
 def pick(full, small):

@@ -7,16 +7,15 @@ address); a single node always uses torchrun --standalone, which picks a free po
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
 from pathlib import Path
 
+from helpers.config import ConfigError, settings
 from helpers.launch import REPO_ROOT, LaunchError, LaunchResult, default_nproc, launch, resolve_script
 from helpers.show import table
-
-LAB_TIMEOUT_S = float(os.environ.get("LAB_TIMEOUT", "900"))
-
 
 def discover_labs(selection: str | None = None) -> list[Path]:
     """labs/labNN_*.py in order; `selection` "NN" (or "N") keeps one lab number's files."""
@@ -34,25 +33,13 @@ def discover_labs(selection: str | None = None) -> list[Path]:
 
 
 def multinode_options() -> dict:
-    """NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT from the environment, validated."""
-    raw = {k: os.environ.get(k, "") for k in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    nnodes = _whole(raw["NNODES"] or "1", "NNODES", minimum=1)
-    if nnodes == 1:
+    """NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT (helpers.config checks them) as launch()'s
+    keyword arguments; none for a single node."""
+    config = settings()
+    if config.nnodes == 1:
         return {}
-    node_rank = _whole(raw["NODE_RANK"] or "0", "NODE_RANK", minimum=0)
-    if node_rank >= nnodes:
-        raise LaunchError(f"NODE_RANK={node_rank} must be below NNODES={nnodes}")
-    if not raw["MASTER_ADDR"] or not raw["MASTER_PORT"]:
-        raise LaunchError("NNODES > 1 needs MASTER_ADDR and MASTER_PORT: node 0's address and a "
-                          "port open on it, the same on every node")
-    port = _whole(raw["MASTER_PORT"], "MASTER_PORT", minimum=1)
-    return dict(nnodes=nnodes, node_rank=node_rank, master_addr=raw["MASTER_ADDR"], master_port=port)
-
-
-def _whole(raw: str, name: str, minimum: int) -> int:
-    if not re.fullmatch(r"\d+", raw) or int(raw) < minimum:
-        raise LaunchError(f"{name} must be a whole number >= {minimum}, got '{raw}'")
-    return int(raw)
+    return dict(nnodes=config.nnodes, node_rank=config.node_rank, master_addr=config.master_addr,
+                master_port=config.master_port)
 
 
 def summary_row(lab: Path, nproc: int, nnodes: int, result: LaunchResult | None, seconds: float,
@@ -63,12 +50,16 @@ def summary_row(lab: Path, nproc: int, nnodes: int, result: LaunchResult | None,
 
 
 def lab_nproc(lab: Path, default: int) -> int:
-    """Ranks for one lab: `default`, unless the lab declares a module-level line `LAB_NPROC = N`
-    (it needs N ranks, e.g. a 2 x 2 device mesh) and NPROC is not set (NPROC always wins)."""
-    if os.environ.get("NPROC"):
+    """Ranks for one lab: `default`, unless the lab declares `LAB_NPROC = N` at module level (it
+    needs N ranks, e.g. a 2 x 2 device mesh) and NPROC is not set (NPROC always wins). Read from
+    the lab's source (its syntax tree: importing it would import torch)."""
+    if settings().nproc is not None:
         return default
-    match = re.search(r"^LAB_NPROC = (\d+)\b", lab.read_text(), re.MULTILINE)
-    return int(match.group(1)) if match else default
+    for node in ast.parse(lab.read_text()).body:
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["LAB_NPROC"]
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)):
+            return node.value.value
+    return default
 
 
 def run_labs(selection: str | None) -> int:
@@ -83,7 +74,7 @@ def run_labs(selection: str | None) -> int:
         ranks = lab_nproc(lab, nproc)
         print(f"\n=== {lab.relative_to(REPO_ROOT)}: {ranks} rank(s) x {nnodes} node(s) ===", flush=True)
         try:
-            res = launch(lab, nproc=ranks, timeout=LAB_TIMEOUT_S, **options)
+            res = launch(lab, nproc=ranks, timeout=settings().lab_timeout, **options)
             rows.append(summary_row(lab, ranks, nnodes, res, res.seconds, True))
         except LaunchError as err:
             print(f"\n{err}", file=sys.stderr, flush=True)
@@ -100,7 +91,8 @@ def run_labs(selection: str | None) -> int:
 def run_script(script: str, args: list[str]) -> int:
     path = resolve_script(script)
     try:
-        launch(path, *args, nproc=default_nproc(), timeout=LAB_TIMEOUT_S, **multinode_options())
+        launch(path, *args, nproc=default_nproc(), timeout=settings().lab_timeout,
+               **multinode_options())
     except LaunchError as err:
         if err.result is None:
             raise
@@ -114,8 +106,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m helpers.cli labs [NN] | script PATH [ARGS...]", file=sys.stderr)
         return 2
     try:
-        default_nproc()  # validate NPROC before anything starts
-        multinode_options()
+        settings()  # every setting checked before anything starts
         if argv[0] == "labs":
             return run_labs(argv[1] if len(argv) > 1 else None)
         if len(argv) < 2:
@@ -125,6 +116,9 @@ def main(argv: list[str]) -> int:
         if err.result is not None:
             print(f"\n{err}", file=sys.stderr)
             return 1
+        print(f"run.sh: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:
         print(f"run.sh: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -32,7 +32,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 60.0
+from helpers.config import settings
+
 RESULTS_ENV = "COURSE_RESULTS_DIR"  # set by helpers.launch: where ranks write their reports
 FINISHED = "_finished"  # reported by distributed() when a rank's body completed without error
 
@@ -72,16 +73,8 @@ def choose_backend(num_gpus: int, local_world_size: int, force_cpu: bool = False
 
 
 def timeout_seconds() -> float:
-    raw = os.environ.get("DIST_TIMEOUT", "")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"DIST_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"DIST_TIMEOUT must be positive, got {raw!r}")
-    return value
+    """DIST_TIMEOUT (helpers.config: 60 s unless set)."""
+    return settings().dist_timeout
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -138,7 +131,7 @@ def last_report() -> dict[str, Any]:
 
 
 def results_path(rank: int) -> Path | None:
-    folder = os.environ.get(RESULTS_ENV)
+    folder = settings().results_dir
     return Path(folder) / f"rank{rank}.json" if folder else None
 
 
@@ -168,7 +161,7 @@ def setup(timeout_s: float | None = None) -> DistContext:
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size) if launched else 1
     timeout_s = timeout_seconds() if timeout_s is None else timeout_s
     choice = choose_backend(
-        gpu_count(), local_world_size, force_cpu=os.environ.get("COURSE_DEVICE", "") == "cpu"
+        gpu_count(), local_world_size, force_cpu=settings().device == "cpu"
     )
     device = torch.device("cuda", local_rank) if choice.device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -199,7 +192,7 @@ def teardown() -> None:
 
 def record_error(rank: int, exc: BaseException) -> None:
     """Leave this rank's traceback where the launcher finds it, so its message names the rank."""
-    folder = os.environ.get(RESULTS_ENV)
+    folder = settings().results_dir
     if not folder:
         return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from helpers import procs, warm
+from helpers.config import settings
 from helpers.dist import FINISHED, RESULTS_ENV, gpu_count
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -89,9 +90,9 @@ class LaunchResult:
 
 def default_nproc() -> int:
     """NPROC if set, else the GPU count when there are 2 or more GPUs, else 2 (gloo on CPU)."""
-    raw = os.environ.get("NPROC", "")
-    if raw:
-        return parse_nproc(raw)
+    nproc = settings().nproc
+    if nproc is not None:
+        return nproc
     gpus = gpu_count()
     return gpus if gpus >= 2 else 2
 
@@ -163,7 +164,7 @@ def launch(
         raise LaunchError(f"NNODES must be >= 1, got {nnodes}")
     restarts = any(a.startswith(("--max-restarts", "--max_restarts")) for a in torchrun_args)
     if fork_ranks is None:
-        fork_ranks = os.environ.get(FORK_RANKS_ENV) == "1" and not restarts
+        fork_ranks = settings().fork_ranks and not restarts
     with tempfile.TemporaryDirectory(prefix="course-launch-") as tmp:
         results_dir = Path(tmp) / "results"
         results_dir.mkdir()
@@ -178,8 +179,8 @@ def launch(
         returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream,
                                                     warm_start=fork_ranks)
         seconds = time.perf_counter() - start
-        if os.environ.get("COURSE_LAUNCH_LOG"):  # maintainers: where a test run's launches go
-            with contextlib.suppress(OSError), open(os.environ["COURSE_LAUNCH_LOG"], "a") as log:
+        if settings().launch_log:  # maintainers: where a test run's launches go
+            with contextlib.suppress(OSError), open(settings().launch_log, "a") as log:
                 log.write(f"{seconds:.1f}\t{nproc}\t{os.environ.get('PYTEST_CURRENT_TEST', '-')}\t"
                           f"{path.name} {' '.join(map(str, args))[:80]}\n")
         results = _read_results(results_dir)

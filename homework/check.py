@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers.config import settings
 from homework.runner import DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, run_tests
 
 RESULTS_FILE = "runs/homework/check-all.json"
@@ -170,7 +170,7 @@ def save_results(root: Path, results: list[ExerciseResult], status: int) -> None
     path = root / RESULTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"hash": inputs_hash(root), "status": status,
-            "smoke": os.environ.get("COURSE_SMOKE", ""),
+            "smoke": settings().smoke,
             "results": [dataclasses.asdict(r) for r in results]}
     path.write_text(json.dumps(data, indent=1))
 
@@ -179,7 +179,7 @@ def saved_results(root: Path) -> tuple[list[ExerciseResult], int] | None:
     """The results of the last check of all labs, if labs/ and tests/public/ are unchanged since."""
     try:
         data = json.loads((root / RESULTS_FILE).read_text())
-        if data["hash"] != inputs_hash(root) or data.get("smoke", "") != os.environ.get("COURSE_SMOKE", ""):
+        if data["hash"] != inputs_hash(root) or data.get("smoke") != settings().smoke:
             return None
         return [ExerciseResult(**r) for r in data["results"]], int(data["status"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -14,10 +14,11 @@ from typing import Any
 
 from pathspec import GitIgnoreSpec
 
+from helpers.config import settings
+
 INSTRUCTOR_ONLY_FILE = ".instructor-only"
 RELEASE_STAMP = ".student-edition"    # marks a folder written by release
 GRADING_STAMP = ".grading-output"      # marks a folder written by grade
-CALLER_ENV = "COURSE_CALLER_CWD"       # run.sh: the folder it was started from (before its cd)
 DEFAULT_INSTRUCTOR_ONLY = ("tests/hidden/**", INSTRUCTOR_ONLY_FILE)
 ALWAYS_SKIPPED_DIRS = {".git", ".venv", "venv", "__pycache__", ".ipynb_checkpoints", ".pytest_cache",
                        "node_modules", ".mypy_cache", ".ruff_cache"}
@@ -29,7 +30,7 @@ class NotACheckout(RuntimeError):
 
 def caller_dir() -> Path:
     """The folder the user ran the command from (run.sh changes directory before Python starts)."""
-    return Path(os.environ.get(CALLER_ENV) or os.getcwd())
+    return Path(settings().caller_cwd or os.getcwd())
 
 
 def from_caller(path: Path) -> Path:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from homework import archive
 from homework.check import run_check, saved_results
+from helpers.config import settings
 from homework.files import caller_dir, clean_notebook
 from homework.runner import DEFAULT_TIMEOUT_S
 
-STUDENT_ENV = "COURSE_STUDENT_ID"
 DEFAULT_BUDGET_S = 900.0
 
 
@@ -39,7 +39,7 @@ def _git(root: Path, *args: str) -> str:
 
 
 def student_id(root: Path) -> str:
-    for value in (os.environ.get(STUDENT_ENV, ""), _git(root, "config", "user.email"),
+    for value in (settings().student_id, _git(root, "config", "user.email"),
                   _git(root, "config", "user.name")):
         if value.strip():
             return value.strip()

@@ -45,6 +45,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.utils.data.distributed import DistributedSampler
 
 from helpers import pick
+from helpers.config import settings
 from helpers.dist import distributed
 from helpers.exercise import attempt
 from helpers.show import table
@@ -364,7 +365,7 @@ def verdicts(jobs: list[tuple[str, int, int]], outputs: list[dict]) -> list[dict
 
 
 def main(argv: list[str]) -> None:
-    seed = int(os.environ.get("LAB10_SEED", "0") or 0)
+    seed = settings().lab10_seed or 0
     with distributed() as ctx:
         # on 3 ranks or more, every other job uses 2 of them
         jobs = [(plant(seed + i), seed + i, ctx.world_size if i % 2 == 0 or ctx.world_size == 2 else 2)
