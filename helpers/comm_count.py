@@ -9,6 +9,10 @@
     summarize(log)                            # {"calls": {"all_gather": 8, ...}, "sent_bytes": ...}
     log.ops                                   # [(ProcessGroup method, input bytes), ...] in order
 
+    comm = CountingComm(group)                # code that calls its all-reduces through us (lab 03)
+    comm.all_reduce_sum(bucket, async_op=True).wait(); comm.bytes, comm.timeline
+    log = CommLog(); log.record("all_gather", out, n)   # notebook 05's layers, by pass
+
 Every route into torch.distributed ends in a method of `ProcessGroup`: `dist.send` and
 `batch_isend_irecv` in `send`/`recv`, `dist.all_reduce` in `allreduce`, `all_gather_into_tensor`
 in `all_gather_single` (or `_allgather_base`), and so on. `patched()` wraps such methods on the
@@ -23,6 +27,7 @@ its input; all-reduce and broadcast: the tensor).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -269,3 +274,105 @@ def summarize(log: list[Collective]) -> dict:
         calls[c.kind] = calls.get(c.kind, 0) + 1
     return {"calls": calls, "bytes": sum(c.nbytes for c in log),
             "sent_bytes": sum(c.sent_bytes for c in log)}
+
+
+# ----------------------------------------------------------------------------- counted by the caller
+# Where the code under study calls the collective itself, through these, instead of a patched
+# ProcessGroup: lab 03's gradient buckets (each launch and wait, and when it finished) and
+# notebook 05's tensor-parallel layers (each call's result, by pass).
+class CountingComm:
+    """SUM all-reduces on `group` that count what they send (the numbers tests and tables read).
+
+    `collectives` and `bytes` count launches, `blocking` the launches that were not async,
+    `waits` the waits on async ones; `launched_numels` lists the size of each launch in order, and
+    `timeline` has one record per launch: its bytes, `launch_s` and `finish_s` (time.perf_counter();
+    the finish is noted by a callback on the work's future, on the CPU when gloo completes it; on
+    CUDA it is the host-side completion, use torch.profiler for the device's own timeline).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.reset()
+
+    def reset(self) -> None:
+        self.collectives = 0
+        self.bytes = 0
+        self.blocking = 0
+        self.waits = 0
+        self.launched_numels: list[int] = []
+        self.timeline: list[dict] = []
+
+    def record(self, tensor: torch.Tensor) -> dict:
+        self.collectives += 1
+        self.bytes += tensor.nbytes
+        self.launched_numels.append(tensor.numel())
+        self.timeline.append({"bytes": tensor.nbytes, "launch_s": time.perf_counter(), "finish_s": None})
+        return self.timeline[-1]
+
+    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
+        """In-place SUM over the group; with `async_op=True` returns a handle to `.wait()` on."""
+        event = self.record(tensor)
+        # SUM then divide (not ReduceOp.AVG): AVG on gloo only exists in recent torch versions.
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        if not async_op:
+            self.blocking += 1
+            event["finish_s"] = time.perf_counter()
+            return None
+        mark_finish(work.get_future(), event)
+        return CountedWork(work, self)
+
+
+def mark_finish(future: torch.futures.Future, event: dict) -> None:
+    """Note in `event["finish_s"]` when `future` completes, without waiting for it."""
+    def done(fut: torch.futures.Future) -> None:
+        event["finish_s"] = time.perf_counter()
+    future.then(done)
+
+
+class CountedWork:
+    """The handle of an async all-reduce; counts in its CountingComm when it is waited on."""
+
+    def __init__(self, work, comm: CountingComm):
+        self._work, self._comm = work, comm
+
+    def wait(self) -> None:
+        self._work.wait()  # on CUDA this orders the current stream after the all-reduce
+        self._comm.waits += 1
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+@dataclass(frozen=True)
+class LoggedCollective:
+    """One collective a CommLog recorded: what it carried, and in which pass."""
+    op: str                 # "all_reduce" or "all_gather"
+    phase: str              # "forward" or "backward": CommLog.phase when it ran
+    shape: tuple[int, ...]  # the full result every rank holds afterwards
+    payload_bytes: int      # bytes of that result: K in the formulas
+    world_size: int
+
+    @property
+    def ring_bytes_sent(self) -> float:
+        return ring_bytes_sent(self.op, self.payload_bytes, self.world_size)
+
+
+@dataclass
+class CommLog:
+    """What the collectives of notebook 05's layers carried (labs/lab05_tensor_parallel.py:
+    `all_reduce_sum`, `all_gather_last_dim` record each call). Set `phase` before a forward or a
+    backward pass."""
+
+    phase: str = "forward"
+    calls: list[LoggedCollective] = field(default_factory=list)
+
+    def record(self, op: str, result: torch.Tensor, world_size: int) -> None:
+        self.calls.append(LoggedCollective(op, self.phase, tuple(result.shape), result.nbytes, world_size))
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+    def summary(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(phase, op, shape) of every call, in order: what the tests compare."""
+        return [(c.phase, c.op, c.shape) for c in self.calls]

@@ -18,7 +18,7 @@ process takes with batch N*B. The path, each step a small change to the one befo
    overlap. This is the design of `torch.nn.parallel.DistributedDataParallel` (Li et al. 2020,
    "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", arXiv:2006.15704).
 
-Every method counts its collectives and bytes in a `CountingComm` and times them (the timeline of
+Every method counts its collectives and bytes in a `CountingComm` (helpers/comm_count.py) and times them (the timeline of
 labs/lab03_ddp_bench.py). Running this file shows the buckets torch's DDP all-reduces per step, next
 to BucketedDDP's: in torch 2.13 (`compute_bucket_size_limits`, torch/nn/parallel/distributed.py)
 step 0 sends one bucket (unless `find_unused_parameters=True`), later steps buckets rebuilt in the
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -39,74 +38,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers import pick
+from helpers.comm_count import CountedWork, CountingComm, mark_finish
 from helpers.dist import DistContext, distributed
 from helpers.exercise import attempt
 from helpers.show import table
 from helpers.tensors import ddp_device_ids, divide, seeded
-
-class CountingComm:
-    """SUM all-reduces on `group` that count what they send (the numbers tests and tables read).
-
-    `collectives` and `bytes` count launches, `blocking` the launches that were not async,
-    `waits` the waits on async ones; `launched_numels` lists the size of each launch in order, and
-    `timeline` has one record per launch: its bytes, `launch_s` and `finish_s` (time.perf_counter();
-    the finish is noted by a callback on the work's future, on the CPU when gloo completes it; on
-    CUDA it is the host-side completion, use torch.profiler for the device's own timeline).
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.reset()
-
-    def reset(self) -> None:
-        self.collectives = 0
-        self.bytes = 0
-        self.blocking = 0
-        self.waits = 0
-        self.launched_numels: list[int] = []
-        self.timeline: list[dict] = []
-
-    def record(self, tensor: torch.Tensor) -> dict:
-        self.collectives += 1
-        self.bytes += tensor.nbytes
-        self.launched_numels.append(tensor.numel())
-        self.timeline.append({"bytes": tensor.nbytes, "launch_s": time.perf_counter(), "finish_s": None})
-        return self.timeline[-1]
-
-    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
-        """In-place SUM over the group; with `async_op=True` returns a handle to `.wait()` on."""
-        event = self.record(tensor)
-        # SUM then divide (not ReduceOp.AVG): AVG on gloo only exists in recent torch versions.
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        if not async_op:
-            self.blocking += 1
-            event["finish_s"] = time.perf_counter()
-            return None
-        mark_finish(work.get_future(), event)
-        return CountedWork(work, self)
-
-
-def mark_finish(future: torch.futures.Future, event: dict) -> None:
-    """Note in `event["finish_s"]` when `future` completes, without waiting for it."""
-    def done(fut: torch.futures.Future) -> None:
-        event["finish_s"] = time.perf_counter()
-    future.then(done)
-
-
-class CountedWork:
-    """The handle of an async all-reduce; counts in its CountingComm when it is waited on."""
-
-    def __init__(self, work, comm: CountingComm):
-        self._work, self._comm = work, comm
-
-    def wait(self) -> None:
-        self._work.wait()  # on CUDA this orders the current stream after the all-reduce
-        self._comm.waits += 1
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
 
 def broadcast_parameters(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Copy the parameters and buffers of the group's first rank to every rank of `group`.

@@ -27,9 +27,10 @@ from helpers.dist import DistContext, distributed
 from helpers.exercise import attempt
 from helpers.show import table
 from helpers.tensors import ddp_device_ids
-from labs.lab03_ddp import (BucketedDDP, CountingComm, OverlappedDDP, average_gradients,
-                            average_gradients_flat, broadcast_parameters, count_ddp_comm,
-                            flat_grads, flat_params, global_batch, local_shard, make_mlp)
+from helpers.comm_count import CountingComm
+from labs.lab03_ddp import (BucketedDDP, OverlappedDDP, average_gradients, average_gradients_flat,
+                            broadcast_parameters, count_ddp_comm, flat_grads, flat_params,
+                            global_batch, local_shard, make_mlp)
 
 METHODS = ("naive", "flat", "overlapped", "bucketed", "torch_ddp")
 

@@ -38,8 +38,9 @@ from helpers.dist import DistContext, distributed
 from helpers.launch import REPO_ROOT
 from helpers.show import table
 from helpers.tensors import ddp_device_ids, nbytes, seeded
-from labs.lab03_ddp import (CountingComm, count_ddp_comm, flat_grads, flat_params, global_batch,
-                            local_shard, make_mlp)
+from helpers.comm_count import CountingComm
+from labs.lab03_ddp import (count_ddp_comm, flat_grads, flat_params, global_batch, local_shard,
+                            make_mlp)
 
 
 # --- data: one disjoint shard per rank, reshuffled per epoch -------------------------------------

@@ -19,15 +19,13 @@ times their communication.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import pick
-from helpers.comm_count import ring_bytes_sent
+from helpers.comm_count import CommLog, LoggedCollective
 from helpers.dist import DistContext, distributed
 from helpers.exercise import attempt
 from helpers.show import table
@@ -41,38 +39,7 @@ def shard(tensor: torch.Tensor, dim: int, tp_rank: int, tp_world_size: int) -> t
     return tensor.narrow(dim, tp_rank * size, size).clone()
 
 
-# ==================== collectives, counted: every call records what it carried
-@dataclass(frozen=True)
-class Collective:
-    op: str                 # "all_reduce" or "all_gather"
-    phase: str              # "forward" or "backward": CommLog.phase when it ran
-    shape: tuple[int, ...]  # the full result every rank holds afterwards
-    payload_bytes: int      # bytes of that result: K in the formulas
-    world_size: int
-
-    @property
-    def ring_bytes_sent(self) -> float:
-        return ring_bytes_sent(self.op, self.payload_bytes, self.world_size)
-
-
-@dataclass
-class CommLog:
-    """What the collectives below carried. Set `phase` before a forward or a backward pass."""
-
-    phase: str = "forward"
-    calls: list[Collective] = field(default_factory=list)
-
-    def record(self, op: str, result: torch.Tensor, world_size: int) -> None:
-        self.calls.append(Collective(op, self.phase, tuple(result.shape), result.nbytes, world_size))
-
-    def clear(self) -> None:
-        self.calls.clear()
-
-    def summary(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(phase, op, shape) of every call, in order: what the tests compare."""
-        return [(c.phase, c.op, c.shape) for c in self.calls]
-
-
+# ==================== collectives, counted: every call records what it carried in a CommLog
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None, log: CommLog | None) -> torch.Tensor:
     """Sum of `x` over the group's ranks, as a NEW tensor; `x` itself is left untouched (autograd
     can hand one gradient tensor to two branches, e.g. both sides of a residual add)."""
@@ -379,7 +346,7 @@ def sample_batch(batch: int, seq: int, d_model: int, *, seed: int, dtype, device
     return x.to(device), target.to(device)
 
 
-def step_collectives(model: nn.Module, log: CommLog, x: torch.Tensor) -> list[Collective]:
+def step_collectives(model: nn.Module, log: CommLog, x: torch.Tensor) -> list[LoggedCollective]:
     """The collectives of one forward and one backward, the input requiring grad (as it does
     inside a network: otherwise autograd skips the first f's backward)."""
     log.clear()

@@ -27,13 +27,13 @@ import torch.nn as nn
 from helpers import pick
 from helpers.bench import measure
 from helpers.comm_bench import LINK_BYTES_PER_S
-from helpers.comm_count import ring_bytes_sent
+from helpers.comm_count import LoggedCollective, ring_bytes_sent
 from helpers.dist import DistContext, distributed
 from helpers.exercise import attempt
 from helpers.show import table
 from helpers.tensors import divide
 from labs.lab05_tensor_parallel import (
-    SCHEMES, Collective, CommLog, all_gather_last_dim, dense_mlp, sample_batch, step_collectives,
+    SCHEMES, CommLog, all_gather_last_dim, dense_mlp, sample_batch, step_collectives,
 )
 
 
@@ -59,7 +59,7 @@ FORMULA_TEXT = {  # bytes each rank sends (ring), b bytes per element
 }
 
 
-def comm_rows(scheme: str, calls: list[Collective], tokens: int, d_model: int, d_ff: int,
+def comm_rows(scheme: str, calls: list[LoggedCollective], tokens: int, d_model: int, d_ff: int,
               world_size: int, bytes_per_element: int) -> list[dict]:
     """One table row per phase: the collectives and bytes the log counted, next to the formula."""
     expected = mlp_collectives_formula(scheme, tokens, d_model, d_ff)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import labs.lab05_tensor_parallel as lab
 import labs.lab05_tp_comm_volume as comm
+from helpers.comm_count import ring_bytes_sent
 from helpers.exercise import solved
 from tests.conftest import launch_ranks
 
@@ -38,9 +39,9 @@ def test_shard_is_contiguous_chunk_r():
 
 
 def test_ring_bytes_sent():
-    assert lab.ring_bytes_sent("all_reduce", 1000, 2) == 1000      # 2 (N-1)/N K
-    assert lab.ring_bytes_sent("all_reduce", 1000, 4) == 1500
-    assert lab.ring_bytes_sent("all_gather", 1000, 4) == 750       # (N-1)/N K
+    assert ring_bytes_sent("all_reduce", 1000, 2) == 1000      # 2 (N-1)/N K
+    assert ring_bytes_sent("all_reduce", 1000, 4) == 1500
+    assert ring_bytes_sent("all_gather", 1000, 4) == 750       # (N-1)/N K
 
 
 def test_formula_counts_per_scheme():
@@ -55,7 +56,7 @@ def test_formula_counts_per_scheme():
 
 def test_comm_rows_put_count_beside_formula():
     T, d, ff, N, b = 8, 4, 16, 4, 4
-    calls = [lab.Collective(op, phase, (T, n // T), n * b, N)
+    calls = [lab.LoggedCollective(op, phase, (T, n // T), n * b, N)
              for phase, op, n in comm.mlp_collectives_formula("allgather", T, d, ff)]
     rows = comm.comm_rows("allgather", calls, T, d, ff, N, b)
     assert [r["phase"] for r in rows] == ["forward", "backward"]
@@ -228,7 +229,7 @@ def test_step_traffic_counts_what_the_block_sent(ranks):
     """The tensor-parallel formula of step_traffic, for the block of the lab, equals its CommLog."""
     result = ranks[0]["block"]
     calls, s = solved(result["training"])["calls"], result["sizes"]
-    counted = sum(lab.ring_bytes_sent(op, math.prod(shape) * 8, NPROC) for _, op, shape in calls)  # float64
+    counted = sum(ring_bytes_sent(op, math.prod(shape) * 8, NPROC) for _, op, shape in calls)  # float64
     block = comm.TransformerShape("block", layers=1, hidden=s["d_model"], ffn=s["d_ff"], heads=s["n_heads"],
                                   kv_heads=s["n_heads"], vocab=0)
     formula = comm.step_traffic(block, seq=s["seq"], micro_batch=s["batch"], micro_batches=1, tp=NPROC, pp=1,
