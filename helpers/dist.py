@@ -235,3 +235,11 @@ def _record_later_errors(rank: int) -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
+
+
+def error_line(exc: BaseException) -> str:
+    """The exception's first line, without gloo's source path prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if text.startswith("[/") and "] " in text:  # "[/__w/.../unbound_buffer.cc:78] Timed out ..."
+        text = text.split("] ", 1)[1]
+    return f"{type(exc).__name__}: {text}"

@@ -28,7 +28,6 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -45,13 +44,13 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from helpers import pick
-from helpers.dist import distributed
+from helpers.dist import distributed, error_line
+from helpers.flight_recorder import flight_recorder_size, flight_records
 from helpers.launch import LaunchError, LaunchResult, launch
 from helpers.show import table
 
 CASE_TIMEOUT_S = 1.5   # every planted hang's group gives up after this long
 MARKS_ENV = "LAB10_HANG_MARKS"  # launch_hung_job(): where ranks write their pid before hanging
-TORCH_DIR = str(Path(torch.__file__).parent)
 
 
 # ============================================================================ the planted bugs
@@ -115,45 +114,6 @@ CASES = {
 FLIGHT_CASE = "one rank calls it, plain"  # the case whose flight records the lab prints
 
 
-# ============================================================================ the flight recorder
-def flight_recorder_size() -> int:
-    """The flight recorder's ring buffer size, read as torch 2.13 reads it at the process's first
-    collective (torch/csrc/distributed/c10d/FlightRecorder.hpp): TORCH_FR_BUFFER_SIZE, else its
-    legacy name TORCH_NCCL_TRACE_BUFFER_SIZE, else 2000; 0 switches the recorder off."""
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        value = os.environ.get(name, "").strip()
-        if value:
-            return int(value)
-    return 2000
-
-
-def flight_records(group=None, stacks: bool = False) -> list[dict]:
-    """This rank's flight-recorder entries for `group` (default: the default group), oldest first.
-
-    torch keeps one ring buffer per process of the last `flight_recorder_size()` collectives of
-    all its process groups (on by default, on gloo too, in torch 2.13), each with its sequence
-    number in its group, op, input sizes and the Python stack that issued it. `_dump_fr_trace` is
-    what NCCL's watchdog writes to a file on a timeout; on gloo nothing dumps it for you, so call
-    it where you catch the error. With `stacks`, each record also says where it was issued
-    ("file:line function"); the first dump with stacks is slow (torch imports its compiler stack
-    to symbolise them: seconds). Empty when the recorder is off (a buffer size of 0)."""
-    if flight_recorder_size() <= 0:
-        return []
-    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, stacks, False))
-    name = (group or dist.group.WORLD).group_name
-    records = []
-    for entry in dump.get("entries", []):
-        if entry["process_group"][0] != name:
-            continue
-        record = {"seq": entry["collective_seq_id"], "op": entry["profiling_name"].split(":")[-1],
-                  "sizes": entry["input_sizes"]}
-        if stacks:
-            record["where"] = next((f"{Path(f['filename']).name}:{f['line']} {f['name']}"
-                                    for f in entry.get("frames", []) if not f["filename"].startswith(TORCH_DIR)), "?")
-        records.append(record)
-    return records
-
-
 def flight_table(records_by_rank: dict[int, list[dict]], last: int = 4) -> list[dict]:
     """The last `last` collectives, one row per sequence number, one column per rank: the first
     row where the columns differ is where the ranks parted."""
@@ -182,14 +142,6 @@ def first_parting(records_by_rank: dict[int, list[dict]]) -> tuple[int, dict[int
 
 
 # ============================================================================ running the cases
-def error_line(exc: BaseException) -> str:
-    """The exception's first line, without gloo's source path prefix."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if text.startswith("[/") and "] " in text:  # "[/__w/.../unbound_buffer.cc:78] Timed out ..."
-        text = text.split("] ", 1)[1]
-    return f"{type(exc).__name__}: {text}"
-
-
 def short_error(text: str) -> str:
     """One readable line: DETAIL's fingerprints cut to op and shapes, other errors to one sentence."""
     if "Detected mismatch between collectives" in text:

@@ -17,7 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from labs import lab10_crashes, lab10_diagnose, lab10_hangs
+from helpers import mystery_jobs
+from helpers.dist import error_line
+from helpers.flight_recorder import flight_recorder_size, flight_records
+from labs import lab10_crashes, lab10_hangs
 
 HANG_S = 6.0  # the real hang's timeout: long enough for the stack dumps on a busy machine
 
@@ -35,7 +38,7 @@ def test_short_error_cuts_detail_fingerprints_to_op_and_shape():
 
 def test_error_line_drops_gloo_source_paths():
     exc = RuntimeError("[/__w/pytorch/third_party/gloo/unbound_buffer.cc:78] Timed out waiting 1500ms for recv")
-    assert lab10_hangs.error_line(exc) == "RuntimeError: Timed out waiting 1500ms for recv"
+    assert error_line(exc) == "RuntimeError: Timed out waiting 1500ms for recv"
 
 
 def test_flight_table_marks_collectives_a_rank_never_issued():
@@ -71,19 +74,19 @@ def test_torchrun_summary_parsers():
 
 
 def test_plants_are_seeded_and_cover_every_bug():
-    assert [lab10_diagnose.plant(s) for s in range(40)] == [lab10_diagnose.plant(s) for s in range(40)]
-    assert set(lab10_diagnose.plant(s) for s in range(200)) == set(lab10_diagnose.BUGS)
+    assert [mystery_jobs.plant(s) for s in range(40)] == [mystery_jobs.plant(s) for s in range(40)]
+    assert set(mystery_jobs.plant(s) for s in range(200)) == set(mystery_jobs.BUGS)
     forms = set()
     for seed in range(60):
         for world in (2, 3, 4):
-            cfg = lab10_diagnose.job_config(seed, world)
+            cfg = mystery_jobs.job_config(seed, world)
             assert cfg["size"] == cfg["local_batch"] * cfg["steps_per_epoch"] * world
             assert 1 <= cfg["bug_step"] < cfg["epochs"] * cfg["steps_per_epoch"] - 1
             assert 0 <= cfg["odd_rank"] < world
             assert "broadcast" not in cfg["order"] or cfg["odd_rank"] == 0, "a broadcast from a rank in step"
             forms.add((cfg["lone_op"], cfg["order"], cfg["every_rank"], cfg["epochs"]))
-    assert {f[0] for f in forms} == set(lab10_diagnose.LONE_OPS)
-    assert {f[1] for f in forms} == set(lab10_diagnose.ORDER_PAIRS)
+    assert {f[0] for f in forms} == set(mystery_jobs.LONE_OPS)
+    assert {f[1] for f in forms} == set(mystery_jobs.ORDER_PAIRS)
     assert {f[2] for f in forms} == {True, False} and {f[3] for f in forms} == {2, 3}
 
 
@@ -92,15 +95,15 @@ def test_public_jobs_show_each_bug_in_the_forms_that_defeat_shortcuts():
     were picked for these forms: a change to job_config must pick them again)."""
     from tests.public.test_lab10_debugging import JOBS
 
-    cfg = {(bug, seed, world): lab10_diagnose.job_config(seed, world) for bug, seed, world in JOBS}
+    cfg = {(bug, seed, world): mystery_jobs.job_config(seed, world) for bug, seed, world in JOBS}
     forms = lambda bug: [(world, c) for (b, _, world), c in cfg.items() if b == bug]  # noqa: E731
-    for bug in lab10_diagnose.BUGS:
+    for bug in mystery_jobs.BUGS:
         assert {world for world, _ in forms(bug)} >= {2, 3}, f"{bug}: on 2 and on 3 ranks"
     # the rank blamed is not the culprit: a lone collective on a rank other than 0
     assert any(c["odd_rank"] != 0 for _, c in forms("collective_on_one_rank"))
     # the error text does not tell the hangs apart: enough jobs that some time out in each bug
     assert len(forms("collectives_in_different_orders")) >= 4
-    assert {c["lone_op"] for _, c in forms("collective_on_one_rank")} == set(lab10_diagnose.LONE_OPS)
+    assert {c["lone_op"] for _, c in forms("collective_on_one_rank")} == set(mystery_jobs.LONE_OPS)
     assert len({c["order"] for _, c in forms("collectives_in_different_orders")}) >= 3
     # ranks 0 and 1 agree, rank 2 alone differs
     for bug in ("different_initialisation", "random_state"):
@@ -124,11 +127,11 @@ def test_hidden_jobs_are_other_jobs():
 def test_flight_recorder_size_reads_the_variables_as_torch_does(monkeypatch):
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    assert lab10_hangs.flight_recorder_size() == 2000  # on by default (FlightRecorder.hpp)
+    assert flight_recorder_size() == 2000  # on by default (FlightRecorder.hpp)
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "30")
-    assert lab10_hangs.flight_recorder_size() == 30
+    assert flight_recorder_size() == 30
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
-    assert lab10_hangs.flight_recorder_size() == 0 and lab10_hangs.flight_records() == []
+    assert flight_recorder_size() == 0 and flight_records() == []
 
 
 def test_count_collectives_counts_inputs_and_pauses():
@@ -278,7 +281,7 @@ def test_data_symptoms(runs):
 def test_mystery_jobs_report_what_diagnose_reads(runs):
     res = get(runs, "silent").rank0
     for (bug, _, _), out in zip(res["jobs"], res["outputs"]):
-        job = lab10_diagnose.outputs_from_dict(out)
+        job = mystery_jobs.outputs_from_dict(out)
         assert bool(job.error) == (bug in ("collective_on_one_rank", "collectives_in_different_orders")), bug
         for rep in job.reports.values():
             assert {"local_loss", "logged_loss", "grad_norm", "samples", "param_digest", "flight"} <= set(rep)

@@ -133,7 +133,8 @@ def test_find_divergence_hidden_cases(ranks, name):
 @pytest.mark.parametrize("bug", sorted(HINTS))
 def test_diagnose_on_other_jobs(ranks, bug):
     """diagnose names the planted bug of jobs on 2 to 4 ranks, in forms the public tests do not show."""
-    from labs.lab10_diagnose import diagnose, outputs_from_dict
+    from helpers.mystery_jobs import outputs_from_dict
+    from labs.lab10_diagnose import diagnose
 
     jobs, outputs = ranks[0]["job_list"], ranks[0]["jobs"]
     for (planted, seed, _), out in zip(jobs, outputs):
@@ -147,7 +148,8 @@ def test_diagnose_on_other_jobs(ranks, bug):
 @pytest.mark.exercise("diagnose")
 def test_diagnose_on_random_plants(ranks):
     """diagnose names the bug of jobs whose bug was drawn at random."""
-    from labs.lab10_diagnose import diagnose, outputs_from_dict
+    from helpers.mystery_jobs import outputs_from_dict
+    from labs.lab10_diagnose import diagnose
 
     jobs, outputs = ranks[0]["job_list"], ranks[0]["jobs"]
     wrong = [(seed, bug, diagnose(outputs_from_dict(out))) for (bug, seed, _), out in zip(jobs, outputs)
@@ -160,7 +162,7 @@ def worker() -> None:
 
     from helpers.dist import distributed
     from helpers.exercise import stub_message
-    from labs.lab10_diagnose import gather_outputs, plant, run_jobs
+    from helpers.mystery_jobs import gather_outputs, plant, run_jobs
     from labs.lab10_divergence import find_divergence
 
     with distributed() as ctx:

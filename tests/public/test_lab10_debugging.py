@@ -381,7 +381,7 @@ HINTS = {
 
 def misdiagnosed(bug: str, said, seed: int, job) -> str:
     """Why diagnose named the wrong bug: what this job shows that the answer overlooked."""
-    from labs.lab10_diagnose import job_config
+    from helpers.mystery_jobs import job_config
 
     cfg, n = job_config(seed, job.world_size), job.world_size
     head = f"a {n}-rank job (seed {seed}) with bug {bug!r} was diagnosed as {said!r}"
@@ -418,7 +418,8 @@ def misdiagnosed(bug: str, said, seed: int, job) -> str:
 @pytest.mark.parametrize("bug", sorted(HINTS))
 def test_diagnose_names_the_planted_bug(ranks, bug):
     """diagnose names the planted bug of jobs on 2 and 3 ranks, whatever form the bug takes in each."""
-    from labs.lab10_diagnose import diagnose, outputs_from_dict
+    from helpers.mystery_jobs import outputs_from_dict
+    from labs.lab10_diagnose import diagnose
 
     outputs = ranks[0]["jobs"]
     for (planted, seed, _), out in zip(JOBS, outputs):
@@ -432,7 +433,8 @@ def test_diagnose_names_the_planted_bug(ranks, bug):
 @pytest.mark.exercise("diagnose")
 def test_diagnose_answers_with_a_name_from_bugs(ranks):
     """diagnose returns one of the keys of BUGS."""
-    from labs.lab10_diagnose import BUGS, diagnose, outputs_from_dict
+    from helpers.mystery_jobs import BUGS, outputs_from_dict
+    from labs.lab10_diagnose import diagnose
 
     for out in ranks[0]["jobs"]:
         said = diagnose(outputs_from_dict(out))
@@ -445,7 +447,7 @@ def worker() -> None:
 
     from helpers.dist import distributed
     from helpers.exercise import stub_message
-    from labs.lab10_diagnose import gather_outputs, run_jobs
+    from helpers.mystery_jobs import gather_outputs, run_jobs
     from labs.lab10_divergence import find_divergence
 
     with distributed() as ctx:
