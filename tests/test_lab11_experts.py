@@ -1,9 +1,9 @@
 """Tests of lab 11's mixture-of-experts lab beyond the exercise: the MoE against a loop over tokens,
 the gate convention, the load-balancing loss, capacity and dropped tokens, the routing plan and
-the byte formula, skew and imbalance, the aux loss in training, and, in one launch on 4 ranks,
-run() end to end: the expert-parallel layer against the dense one, the bytes counted against the
-formula, and every (dp, ep) layout of expert x data parallelism against one process, with the
-wrong gradient reductions shown to differ.
+the byte formula, skew and imbalance, the aux loss in training (labs/lab11_expert_balance.py),
+and, in one launch on 4 ranks, both labs' run() end to end: the expert-parallel layer against the
+dense one, the bytes counted against the formula, and every (dp, ep) layout of expert x data
+parallelism against one process, with the wrong gradient reductions shown to differ.
 
 Run:  .venv/bin/python -m pytest tests/test_lab11_experts.py -q
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import labs.lab11_expert_balance as balance
 import labs.lab11_experts as lab
 from helpers.exercise import solved
 from tests.conftest import launch_ranks
@@ -158,14 +159,14 @@ def test_routing_plan_and_byte_formula():
 def test_imbalance_and_skew():
     assert lab.imbalance([3, 3, 3]) == 1.0 and lab.imbalance([6, 0, 0]) == 3.0 and lab.imbalance([0, 0]) == 1.0
     sizes = {**lab.default_sizes(), "hidden": 8, "ffn": 8, "tokens": 64}
-    rows = lab.skew_table(sizes, 2, strengths=(0.0, 4.0))
+    rows = balance.skew_table(sizes, 2, strengths=(0.0, 4.0))
     assert rows[0]["expert max/mean"] < rows[1]["expert max/mean"] > 1.9   # top-2 of 4 experts: at most 2
     assert rows[1]["tokens per expert"][0] == max(rows[1]["tokens per expert"])
 
 
 def test_capacity_table_drops_more_with_skew_and_less_with_capacity():
     sizes = {**lab.default_sizes(), "hidden": 8, "ffn": 8, "tokens": 64}
-    rows = lab.capacity_table(sizes, 2, factors=(1.0, 2.0), skews=(0.0, 4.0))
+    rows = balance.capacity_table(sizes, 2, factors=(1.0, 2.0), skews=(0.0, 4.0))
     dropped = {(r["skew"], r["capacity factor"]): r["dropped"] for r in rows}
     assert dropped[(4.0, 1.0)] > dropped[(0.0, 1.0)] and dropped[(4.0, 2.0)] <= dropped[(4.0, 1.0)]
     assert dropped[(0.0, 2.0)] == 0 or dropped[(0.0, 2.0)] < dropped[(0.0, 1.0)]
@@ -177,12 +178,12 @@ SIZES = dict(hidden=16, ffn=32, experts_per_rank=2, top_k=2, tokens=12, capacity
 
 def sync_experts_over_everyone(layer, dp_group, world_size):
     """Wrong: the experts' gradients all-reduced over every rank (ranks holding other experts too)."""
-    return lab.sync_gradients(layer, None, world_size)
+    return balance.sync_gradients(layer, None, world_size)
 
 
 def sync_experts_over_ep_group(layer, dp_group, world_size):
     """Wrong: over the ep group, which the all-to-all already summed (and which holds other experts)."""
-    return lab.sync_gradients(layer, layer.group, world_size)
+    return balance.sync_gradients(layer, layer.group, world_size)
 
 
 def no_sync(layer, dp_group, world_size):
@@ -257,8 +258,10 @@ def worker(ctx) -> dict:
     result = lab.run(ctx, **SIZES)
     lab.print_results(ctx, result)
     result.pop("plan")   # every choice of every token: not needed here
-    wrong = {name: lab.ep_dp_check(ctx.device, SIZES, 2, sync=sync)["worst"] for name, sync in WRONG.items()}
-    return {"run": {**result, "printed": True}, "wrong": wrong}
+    balanced = balance.run(ctx, **SIZES)
+    balance.print_results(ctx, balanced)
+    wrong = {name: balance.ep_dp_check(ctx.device, SIZES, 2, sync=sync)["worst"] for name, sync in WRONG.items()}
+    return {"run": {**result, **balanced, "printed": True}, "wrong": wrong}
 
 
 if __name__ == "__main__":
