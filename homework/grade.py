@@ -47,12 +47,13 @@ from homework import archive
 from homework.solutions import changed_outside_exercises
 from homework.files import GRADING_STAMP, RELEASE_STAMP, course_files
 from homework.release import transform
-from homework.runner import (DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, child_env,
+from homework.runner import (DEFAULT_TIMEOUT_S, Direct, Outcome, RunResult, TestInfo, child_env,
                              collect, run_tests)
 from homework.sandbox import Limits, Sandbox, SandboxUnavailable, probe
 
 DEFAULT_BUDGET_S = 1800.0   # one submission, all its tests, restarts included
 RANKS_PER_SUBMISSION = 4    # processes one submission keeps busy: its largest test launch's ranks
+SHARDS = 2                  # pytest runs at once per submission (each in a sandbox of its own)
 LOCK_NAME = ".grade.lock"
 WORK_PREFIX = ".work-"
 RESULT_TEXT = {
@@ -320,7 +321,8 @@ def default_jobs(cores: int | None = None) -> int:
 def grade(archives: list[Path], out_dir: Path, root: Path, timeout: float = DEFAULT_TIMEOUT_S,
           labs: list[str] | None = None, grace: float | None = None,
           budget: float = DEFAULT_BUDGET_S, unsafe: bool = False, limits: Limits = Limits(),
-          seed: int | None = None, jobs: int | None = None, log=print) -> list[Graded]:
+          seed: int | None = None, jobs: int | None = None, shards: int | None = None,
+          log=print) -> list[Graded]:
     root, out_dir = Path(root).resolve(), Path(out_dir).resolve()
     check_out_dir(root, out_dir)
     files = graded_test_files(root, labs)
@@ -344,13 +346,14 @@ def grade(archives: list[Path], out_dir: Path, root: Path, timeout: float = DEFA
         work.mkdir(mode=0o700)
         try:
             return _grade_all(archives, out_dir, root, work, files, timeout, grace, budget, unsafe,
-                              limits, random.Random(seed), jobs or default_jobs(), log)
+                              limits, random.Random(seed), jobs or default_jobs(),
+                              shards or SHARDS, log)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
 
 def _grade_all(archives, out_dir, root, work, files, timeout, grace, budget, unsafe, limits, rng,
-               jobs, log) -> list[Graded]:
+               jobs, shards, log) -> list[Graded]:
     base = work / "base"
     build_base_tree(root, base)
     canaries = plant_canaries(base, files, rng)
@@ -366,7 +369,8 @@ def _grade_all(archives, out_dir, root, work, files, timeout, grace, budget, uns
     jobs = max(1, min(jobs, len(archives)))
     log(f"Grading {len(archives)} submission(s) with {len(tests)} tests from {len(files)} file(s), "
         f"{_fmt(max_score)} points, at most {timeout:g} s per test and {budget:g} s per submission, "
-        f"{jobs} at a time" + (f"; {UNSAFE_TEXT}" if unsafe else ", each in a sandbox of its own."))
+        f"{jobs} at a time, each in {shards} pytest runs at once"
+        + (f"; {UNSAFE_TEXT}" if unsafe else ", each run in a sandbox of its own."))
     taken: set[str] = set()
     rows = [Graded(submission_name(Path(path), taken), Path(path), max_score=max_score)
             for path in archives]
@@ -378,7 +382,8 @@ def _grade_all(archives, out_dir, root, work, files, timeout, grace, budget, uns
         sub = work / f"sub{number}"
         try:
             _grade_one(graded, sub, base, files, collected, tests, canaries, timeout, grace,
-                       start + budget, unsafe, limits, out_dir / "logs" / f"{graded.submission}.log")
+                       start + budget, unsafe, limits, out_dir / "logs" / f"{graded.submission}.log",
+                       shards)
         except archive.ArchiveRejected as exc:
             graded.note, graded.graded = f"rejected: {exc}", False
         except Exception as exc:  # our side failed on this one: say so, go on with the others
@@ -405,9 +410,44 @@ def _grade_all(archives, out_dir, root, work, files, timeout, grace, budget, uns
     return rows
 
 
+def shard_files(files: list[str], shards: int) -> list[list[str]]:
+    """`files` dealt out to `shards` groups in turn (a lab's public and hidden files, adjacent in
+    `files`, land in different groups); no empty group."""
+    groups = [files[i::shards] for i in range(max(1, shards))]
+    return [group for group in groups if group]
+
+
+def run_shards(executor, files: list[str], collected: list[TestInfo], shards: int, *,
+               timeout: float, grace: float | None, deadline: float, log_path: Path) -> RunResult:
+    """The tests of `files` in `shards` pytest runs at once, each started by `executor()` (a
+    sandbox of its own), merged into one RunResult. A submission's launches wait on one another
+    (rendezvous, gloo's connections) as much as they compute, so a few at once fill the cores."""
+    groups = shard_files(files, shards)
+    logs = [log_path.with_name(f"{log_path.name}.{i}") for i in range(len(groups))]
+
+    def one(group: list[str], log: Path) -> RunResult:
+        expected = [t for t in collected if t.file in group]
+        return run_tests(executor(), group, expected, timeout=timeout, grace=grace,
+                         deadline=deadline, log_path=log)
+
+    with concurrent.futures.ThreadPoolExecutor(len(groups), thread_name_prefix="shard") as pool:
+        runs = list(pool.map(one, groups, logs))
+    merged = RunResult(list(collected), {})
+    with open(log_path, "a", encoding="utf-8") as out:
+        for group, log, run in zip(groups, logs, runs):
+            merged.outcomes.update(run.outcomes)
+            merged.tampering += run.tampering
+            merged.notes += [note for note in run.notes if note not in merged.notes]
+            merged.processes += run.processes
+            if log.is_file():
+                out.write(f"=== shard: {' '.join(group)}\n{log.read_text(encoding='utf-8', errors='replace')}")
+                log.unlink()
+    return merged
+
+
 def _grade_one(graded: Graded, sub: Path, base: Path, files: list[str], collected: list[TestInfo],
                tests: list[TestInfo], canaries: list[Canary], timeout: float, grace: float | None,
-               deadline: float, unsafe: bool, limits: Limits, log_path: Path) -> None:
+               deadline: float, unsafe: bool, limits: Limits, log_path: Path, shards: int) -> None:
     unpacked, labs = sub / "unpacked", sub / "labs"
     unpacked.mkdir(parents=True)
     written = archive.extract(graded.archive, unpacked)
@@ -439,11 +479,11 @@ def _grade_one(graded: Graded, sub: Path, base: Path, files: list[str], collecte
         shutil.copytree(base, tree)
         shutil.rmtree(tree / "labs")
         shutil.copytree(labs, tree / "labs")
-        executor = Direct(tree, child_env(tree, {"TMPDIR": str(sub)}))
+        executor = lambda: Direct(tree, child_env(tree, {"TMPDIR": str(sub)}))  # noqa: E731
     else:
-        executor = Sandbox(base, labs, limits)
-    run = run_tests(executor, files, collected, timeout=timeout, grace=grace, deadline=deadline,
-                    log_path=log_path)
+        executor = lambda: Sandbox(base, labs, limits)  # noqa: E731  a fresh sandbox per shard
+    run = run_shards(executor, files, collected, shards, timeout=timeout, grace=grace,
+                     deadline=deadline, log_path=log_path)
     graded.outcomes = {t.nodeid: run.outcomes[t.nodeid] for t in tests if t.nodeid in run.outcomes}
     graded.flags += run.notes
     forged = [f"the report stream was tampered with ({run.tampering[0]}"
