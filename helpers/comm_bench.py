@@ -14,7 +14,8 @@ Used by notebooks 03, 04 and 09 and their labs and tests:
   finish in time t; it does not depend on n, so it can be compared with the hardware's link speed.
   `side_by_side()` races a few cases at one size in alternating rounds (fair ratios on a noisy
   machine); `fit_latency_bandwidth()` fits t(S) = latency + S / bandwidth (`all_reduce_fit()`
-  sweeps the all-reduce and fits it); `machine_limit()` measures what one process can copy (local
+  sweeps the all-reduce and fits it); `fit_call_costs()` splits what small calls cost into a
+  fixed cost per call and a latency per ring step; `machine_limit()` measures what one process can copy (local
   memory on the CPU; on GPUs the device copy, and the GPU-to-GPU copy when there are two).
   `LINK_BYTES_PER_S`: vendors' link speeds, per direction (the unit busbw is in).
 
@@ -279,6 +280,34 @@ def all_reduce_fit(sizes_bytes: Sequence[int], *, device: torch.device, group=No
             if attempt == attempts - 1:
                 raise ValueError(f"all-reduce times did not grow with size in {attempts} sweeps "
                                  f"(the machine is very busy?): {[r['seconds'] for r in rows]}")
+
+
+def fit_call_costs(rows: Sequence[dict]) -> tuple[float, float]:
+    """Fit what small collectives cost as call_s per call + step_s per ring step; return
+    (call_s, step_s), both >= 0.
+
+    Each row is one timed run of several small calls: "calls" (how many), "steps" (their ring
+    steps added up: 2(n-1) per all-reduce, n-1 per all-gather...) and "seconds" (what they took
+    beyond the same run without them): seconds = calls call_s + steps step_s. Ordinary least
+    squares on the seconds: the runs are of similar lengths, and the ones with the most calls,
+    which weigh most in a training step, count the most. Where a coefficient comes out negative
+    it is set to 0 and the other refitted alone."""
+    rows = [r for r in rows if r["calls"] > 0]
+    if not rows:
+        raise ValueError("no row with at least one call to fit")
+    a = torch.tensor([[r["calls"], r["steps"]] for r in rows], dtype=torch.float64)
+    b = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)
+
+    def alone(col: int) -> float:          # b ~ a[:, col] x, least squares, x >= 0
+        norm = float(a[:, col] @ a[:, col])
+        return max(0.0, float(a[:, col] @ b) / norm) if norm > 0 else 0.0
+
+    if torch.linalg.matrix_rank(a) == 2:
+        call_s, step_s = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).tolist()
+        if call_s >= 0 and step_s >= 0:
+            return call_s, step_s
+        return (0.0, alone(1)) if call_s < 0 else (alone(0), 0.0)
+    return alone(0), 0.0
 
 
 def predict_seconds(size_bytes: float, latency_s: float, bandwidth_bytes_per_s: float) -> float:

@@ -191,11 +191,11 @@ def axis_links(cluster: ClusterSpec, config: ParallelConfig) -> list[dict]:
     fastest, then dp, then pp) and that link's bandwidth per direction and latency per step."""
     rows = []
     for axis, key in AXES:
-        latency, bandwidth = axis_link(cluster, config, key)
-        inside = (latency, bandwidth) == (cluster.intra_latency_s, cluster.intra_bytes_per_s)
+        link = axis_link(cluster, config, key)
+        inside = (link.latency_s, link.bytes_per_s) == (cluster.intra_latency_s, cluster.intra_bytes_per_s)
         rows.append({"axis": axis, "group size": getattr(config, key),
                      "link": "inside a node" if inside else "between nodes",
-                     "GB/s of that link": bandwidth / GB, "us per step": latency * 1e6})
+                     "GB/s of that link": link.bytes_per_s / GB, "us per step": link.latency_s * 1e6})
     return rows
 
 

@@ -14,8 +14,9 @@ table 2; `activation_bytes_per_layer`) times the layers of a stage times the mic
 pipeline schedule keeps in flight (the simulator of `labs/lab09_schedules.py`). Step time
 (`plan_step_time`): the matmul FLOPs of each micro-batch at the cluster's achievable FLOP/s, each
 collective at the alpha-beta cost of notebook 04 on the link its group crosses
-(`collective_seconds`), the pipeline's bubble from the same simulator, and the data-parallel
-gradient traffic at the end of the step. Nothing overlaps: communication is all exposed.
+(`collective_seconds`: a fixed cost per call, a latency per ring step, the bytes at the link's
+bandwidth), the pipeline's bubble from the same simulator, and the data-parallel gradient traffic
+at the end of the step. Nothing overlaps: communication is all exposed.
 What memory it leaves out (exact on this course's CPU/fp32 runs, not on a GPU cluster): the
 logits and the loss on the last stage, that stage's copy of the tied embedding, ZeRO-3's gathered
 units while they are alive, communication buffers, the CUDA context and the allocator's
@@ -27,6 +28,7 @@ Check them with ./run.sh check 09.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from helpers.comm_count import RING_SHARE
 from helpers.tensors import divide
@@ -41,7 +43,13 @@ RECOMPUTE = ("none", "selective", "full")
 @dataclass(frozen=True)
 class ModelSpec:
     """A GPT-style decoder and its batch. vocab = 0: no embedding or output layer (a stack of
-    layers on vectors, as the 4-rank lab trains); the position embedding counts only with a vocab."""
+    layers on vectors, as the 4-rank lab trains); the position embedding counts only with a vocab.
+
+    The defaults are the GPT layout of the formulas (an MLP of 4h, biases, LayerNorm, learned
+    positions, the output layer tied to the embedding). Other decoders differ in the options:
+    ffn (the MLP's width; 0: 4h), biases, norm ("layernorm": weight and bias; "rmsnorm": a weight),
+    positions ("learned": an s x h table; "rotary": no parameters) and tied (False: a separate
+    output layer, on the last pipeline stage)."""
     name: str
     layers: int            # L
     hidden: int            # h
@@ -49,28 +57,57 @@ class ModelSpec:
     seq: int               # s, tokens per sequence
     vocab: int             # V
     global_batch: int      # sequences per optimizer step
+    ffn: int = 0           # the MLP's width; 0: 4h
+    biases: bool = True
+    norm: str = "layernorm"
+    positions: str = "learned"
+    tied: bool = True
+
+    @property
+    def mlp_width(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    def norm_params(self) -> int:
+        """Parameters of one norm: weight and bias (LayerNorm) or a weight (RMSNorm)."""
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
 
     def layer_params(self, tp: int = 1) -> float:
         """Parameters of one layer on one of tp ranks: qkv, output projection, both MLP matrices
-        and the qkv and first MLP biases are split ((12h^2 + 7h) / tp); the two layer norms and
-        the two biases added after a row-parallel layer are replicated (6h)."""
-        h = self.hidden
-        return (12 * h * h + 7 * h) / tp + 6 * h
+        and the qkv and first MLP biases are split ((12h^2 + 7h) / tp in the GPT layout; in general
+        4h^2 + 2hf, plus 3h + f with biases); the two norms and the two biases added after a
+        row-parallel layer are replicated (6h in the GPT layout)."""
+        h, f = self.hidden, self.mlp_width
+        split = 4 * h * h + 2 * h * f + ((3 * h + f) if self.biases else 0)
+        return split / tp + (2 * h if self.biases else 0) + 2 * self.norm_params()
 
     def embedding_params(self, tp: int = 1) -> float:
-        """Token embedding split over tp (vocab-parallel, tied with the output layer) plus the
-        position embedding; on the first pipeline stage. 0 without a vocabulary."""
-        return (self.vocab / tp + self.seq) * self.hidden if self.vocab else 0.0
+        """What the first pipeline stage holds besides its layers: the token embedding split over
+        tp (vocab-parallel; tied, it is also the output layer) plus the position embedding (learned
+        positions). 0 without a vocabulary. An untied output layer sits on the last stage
+        (`last_stage_params`)."""
+        if not self.vocab:
+            return 0.0
+        return (self.vocab / tp + (self.seq if self.positions == "learned" else 0)) * self.hidden
+
+    def last_stage_params(self, tp: int = 1) -> float:
+        """What the last pipeline stage holds besides its layers: an untied output layer split
+        over tp (vocab-parallel) and the final norm. The GPT count of the formulas (`params`,
+        Narayanan et al.) leaves the final norm out; so does `plan_memory`, which plans stage 0."""
+        if not self.vocab:
+            return 0.0
+        return (0 if self.tied else self.vocab * self.hidden / tp) + self.norm_params()
 
     @property
     def params(self) -> float:
-        return self.layers * self.layer_params() + self.embedding_params()
+        untied = 0 if self.tied else self.vocab * self.hidden
+        return self.layers * self.layer_params() + self.embedding_params() + untied
 
     def layer_forward_flops(self, micro_batch: int) -> float:
         """Matmul FLOPs of one layer's forward on b sequences: 24 b s h^2 (the four weight
-        matrices) + 4 b s^2 h (attention scores and their product with the values)."""
+        matrices; with an MLP of width f, 2 b s (4 h^2 + 2 h f)) + 4 b s^2 h (attention scores
+        and their product with the values)."""
         b, s, h = micro_batch, self.seq, self.hidden
-        return 24 * b * s * h * h + 4 * b * s * s * h
+        return 2 * b * s * (4 * h * h + 2 * h * self.mlp_width) + 4 * b * s * s * h
 
     def logits_forward_flops(self, micro_batch: int) -> float:
         return 2 * micro_batch * self.seq * self.hidden * self.vocab
@@ -80,7 +117,17 @@ class ModelSpec:
 class ClusterSpec:
     """A cluster: nodes of gpus_per_node GPUs. Collectives inside a node use the intra link,
     groups that span nodes the inter link. Latency is per ring step (an all-reduce on n GPUs
-    takes 2(n-1) of them); bandwidth is per direction (busbw's unit, notebook 04)."""
+    takes 2(n-1) of them); bandwidth is per direction (busbw's unit, notebook 04).
+
+    call_s is what one collective call or message costs whatever its size, once, on top of its
+    ring steps: the software around it (Python, autograd, the backend's setup; a kernel launch on
+    a GPU) and, where more ranks than cores share a machine, the wait for the group's ranks to be
+    scheduled. The published clusters below leave it at 0 (on GPUs it is microseconds, inside the
+    latency they assume); this machine's is measured (labs/lab09_mesh.py). NCCL estimates a
+    collective's latency the same way (src/graph/tuning.cc: a base latency per call plus a
+    latency per ring step). reduce_scatter_as_all_reduce: the backend runs a reduce-scatter as an
+    all-reduce of the whole input and keeps its chunk, so it takes an all-reduce's time (torch's
+    gloo backend does: ProcessGroupGloo::reduce_scatter_tensor_coalesced)."""
     name: str
     gpus_per_node: int
     memory_bytes: float             # per GPU
@@ -90,6 +137,8 @@ class ClusterSpec:
     intra_bytes_per_s: float
     inter_latency_s: float
     inter_bytes_per_s: float
+    call_s: float = 0.0                         # fixed cost of each collective call or message
+    reduce_scatter_as_all_reduce: bool = False  # gloo: a reduce-scatter costs an all-reduce
 
     @property
     def flops_per_s(self) -> float:
@@ -175,35 +224,54 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     return sbh + attention
 
 
+class Link(NamedTuple):
+    """The link a group crosses, as `axis_link` gives it and `collective_seconds` and
+    `p2p_seconds` take it: pass it whole, `collective_seconds(kind, nbytes, n, *link)`."""
+    latency_s: float                            # per ring step
+    bytes_per_s: float                          # per direction
+    call_s: float = 0.0                         # fixed cost of each call (ClusterSpec.call_s)
+    reduce_scatter_as_all_reduce: bool = False  # the backend's reduce-scatter is an all-reduce
+
+
 def collective_seconds(kind: str, nbytes: float, group_size: int, latency_s: float,
-                       bytes_per_s: float) -> float:
-    """Alpha-beta time of one ring collective (notebook 04): steps * latency + share * S / bw.
-    S follows nccl-tests (all-gather: the gathered output; reduce-scatter: the input), steps are
-    2(n-1) for an all-reduce and n-1 for an all-gather or a reduce-scatter, share the bytes each
-    GPU sends per byte of S (helpers.comm_count.RING_SHARE). One GPU: no communication."""
+                       bytes_per_s: float, call_s: float = 0.0,
+                       reduce_scatter_as_all_reduce: bool = False) -> float:
+    """Alpha-beta time of one ring collective (notebook 04), plus a fixed cost per call:
+    call_s + steps * latency + share * S / bw. S follows nccl-tests (all-gather: the gathered
+    output; reduce-scatter: the input), steps are 2(n-1) for an all-reduce and n-1 for an
+    all-gather or a reduce-scatter, share the bytes each GPU sends per byte of S
+    (helpers.comm_count.RING_SHARE). With reduce_scatter_as_all_reduce (gloo) a reduce-scatter
+    of S takes the time of an all-reduce of S. One GPU: no communication."""
     n = group_size
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if kind == "reduce_scatter" and reduce_scatter_as_all_reduce:
+        kind = "all_reduce"
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}[kind]
-    return steps * latency_s + RING_SHARE[kind](n) * nbytes / bytes_per_s
+    return call_s + steps * latency_s + RING_SHARE[kind](n) * nbytes / bytes_per_s
 
 
-def p2p_seconds(nbytes: float, latency_s: float, bytes_per_s: float) -> float:
-    """One point-to-point message (a pipeline activation or its gradient)."""
-    return latency_s + nbytes / bytes_per_s if nbytes > 0 else 0.0
+def p2p_seconds(nbytes: float, latency_s: float, bytes_per_s: float, call_s: float = 0.0,
+                reduce_scatter_as_all_reduce: bool = False) -> float:
+    """One point-to-point message (a pipeline activation or its gradient): call_s + latency +
+    bytes / bandwidth. Takes a whole `Link` (`p2p_seconds(nbytes, *link)`); a message is no
+    reduce-scatter, so the link's last field does not apply."""
+    return call_s + latency_s + nbytes / bytes_per_s if nbytes > 0 else 0.0
 
 
-def axis_link(cluster: ClusterSpec, config: ParallelConfig, axis: str) -> tuple[float, float]:
-    """(latency_s, bytes_per_s) of the link a group of `axis` ("tp", "dp" or "pp") crosses. Ranks
+def axis_link(cluster: ClusterSpec, config: ParallelConfig, axis: str) -> Link:
+    """The `Link` a group of `axis` ("tp", "dp" or "pp") crosses: latency and bandwidth of the
+    cluster's intra or inter link, and the cluster's per-call cost and reduce-scatter rule. Ranks
     are laid out tp fastest, then dp, then pp (Megatron-LM's order): a tp group spans tp
     consecutive GPUs and a dp group tp*dp, inside a node if that many fit in one; a pipeline
     message goes between neighbouring stages, tp*dp GPUs apart, inside a node when two stages fit
     in one (2 tp dp <= gpus_per_node)."""
     span = {"tp": config.tp, "dp": config.tp * config.dp,
             "pp": config.tp * config.dp * min(config.pp, 2)}[axis]
-    if span <= cluster.gpus_per_node:
-        return cluster.intra_latency_s, cluster.intra_bytes_per_s
-    return cluster.inter_latency_s, cluster.inter_bytes_per_s
+    inside = span <= cluster.gpus_per_node
+    return Link(cluster.intra_latency_s if inside else cluster.inter_latency_s,
+                cluster.intra_bytes_per_s if inside else cluster.inter_bytes_per_s,
+                cluster.call_s, cluster.reduce_scatter_as_all_reduce)
 
 
 def tp_collectives_per_layer(config: ParallelConfig) -> dict[str, list[str]]:
@@ -317,10 +385,12 @@ def plan_step_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
       L/pp * 4 b s^2 h / tp ("selective");
     - tensor parallel: L/pp times each collective of `tp_collectives_per_layer(config)` on a
       (b, s, h) activation of activation_bytes, `collective_seconds` over tp GPUs on the tp link
-      (`axis_link`), forward ones into the forward, backward ones into the backward;
+      (`axis_link`; a `Link` is passed whole, `collective_seconds(kind, nbytes, n, *link)`, so
+      its per-call cost and reduce-scatter rule count too), forward ones into the forward,
+      backward ones into the backward;
     - pipeline (pp > 1): v messages of b s h activation_bytes / tp (each stage sends its tp-th
-      slice, Megatron's scatter/gather) per micro-batch each way, `p2p_seconds` on the pp link,
-      into the forward and into the backward;
+      slice, Megatron's scatter/gather) per micro-batch each way, `p2p_seconds` on the pp link
+      (`p2p_seconds(nbytes, *link)`), into the forward and into the backward;
     - t_forward, t_backward: the sums above; the bubble: `pipeline_timing(schedule, pp, m,
       t_forward, t_backward, v)["bubble"]` (0 with one stage);
     - data parallel (dp > 1), G = params_per_gpu * grad_bytes, P = params_per_gpu * param_bytes

@@ -4,7 +4,8 @@ process (parameters within 1e-5 after SGD steps); the mesh's groups are the rows
 the 2 x 2 grid; each rank holds the model states the formulas say, to the byte, and the
 activations Korthikanti et al.'s formula says (fp32, no dropout, selective variant) within 5%;
 sequence parallelism sends what its collectives say; DTensor's SequenceParallel agrees with ours
-and keeps the layer norms' gradients Partial. torch's ScheduleInterleaved1F1B and
+and keeps the layer norms' gradients Partial; the planner's measurements (the fixed cost of a call, back to back
+and in a step) are reported and reach its ClusterSpec. torch's ScheduleInterleaved1F1B and
 ScheduleZBVZeroBubble train like one process (notebook 06's tolerances: losses rtol 1e-4,
 parameters 1e-4 after AdamW), hold the stages they should, and compute the orders our simulator
 expects: torch's interleaved order is ours, its ZB-V order is valid, splits every backward into B
@@ -95,12 +96,41 @@ def test_dtensor_sequence_parallel_agrees(run4):
 
 
 def test_machine_measurements_for_the_planner(run4):
-    """The run measured the stack's FLOP/s and an all-reduce alpha-beta fit on 4 ranks."""
-    machine = run4[0]["lab09_mesh"]["machine"]
+    """The run measured the stack's FLOP/s, an all-reduce alpha-beta fit on 4 ranks, and the fixed
+    cost of a call (back to back and in a step, on groups of 2 and 4, every pattern), fitted; every
+    configuration's step was timed in the same rounds; lab_cluster carries it all to the planner."""
+    from labs.lab09_planner import collective_seconds
+
+    result = run4[0]["lab09_mesh"]
+    machine = result["machine"]
     assert machine["compute"]["flops_per_s"] > 0 and machine["compute"]["flops"] > 0
     ab = machine["all_reduce"]
     assert ab["ranks"] == 4 and ab["busbw"] > 0
     assert ab["step_latency_s"] == pytest.approx(ab["latency_s"] / 6)
+    calls = machine["calls"]
+    assert {(r["kind"], r["group size"]) for r in calls["back_to_back"]} == {
+        (k, n) for k in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 4)}
+    assert all(r["seconds per call"] > 0 for r in calls["back_to_back"])
+    rows = {(r["chain"], r["group size"]): r for r in calls["in_step"]}
+    assert set(rows) == {(k, n) for k in ("tp", "sp", "dp") for n in (2, 4)}
+    layers = result["sizes"]["layers"]
+    # calls beyond the step with DDP's one all-reduce, and their ring steps (gloo: a reduce-scatter = an all-reduce)
+    assert (rows["tp", 4]["calls"], rows["tp", 4]["steps"]) == (4 * layers - 1, (4 * layers - 1) * 6)
+    assert (rows["sp", 2]["calls"], rows["sp", 2]["steps"]) == (10 * layers - 1, layers * (6 * 1 + 4 * 2) - 2)
+    assert calls["reduce_scatter_as_all_reduce"] is True
+    assert calls["call_s"] >= 0 and calls["step_s"] >= 0 and calls["call_s"] + calls["step_s"] > 0
+    assert machine["compute"]["seconds"] == pytest.approx(calls["synced_s"])
+    cluster = mesh.lab_cluster(machine)
+    assert (cluster.call_s, cluster.intra_latency_s, cluster.reduce_scatter_as_all_reduce) == (
+        calls["call_s"], calls["step_s"], True)
+    before = mesh.lab_cluster(machine, per_call=False)
+    assert before.call_s == 0 and not before.reduce_scatter_as_all_reduce
+    assert collective_seconds("reduce_scatter", 64, 4, cluster.intra_latency_s, cluster.intra_bytes_per_s,
+                              cluster.call_s, True) == pytest.approx(
+        collective_seconds("all_reduce", 64, 4, cluster.intra_latency_s, cluster.intra_bytes_per_s, cluster.call_s))
+    for rank in range(4):
+        for name, r in configs(run4, rank).items():
+            assert r["step_s"] > 0, (rank, name)
 
 
 # ------------------------------------------------------------------------------ pipelines

@@ -1,6 +1,6 @@
 """Tests of labs/lab09_planner.py's given parts (pure): the model's parameter and FLOP counts
 against Narayanan et al. 2021's formulas, the activation formula against Korthikanti et al.
-2022's table 2, the alpha-beta collective cost, the links, the published data, the ranking and
+2022's table 2, the alpha-beta collective cost with its fixed cost per call, the links, the published data, the ranking and
 the explorer's logic (the last two call the exercise: they need it solved).
 """
 from __future__ import annotations
@@ -68,11 +68,29 @@ def test_collective_cost_is_the_ring_alpha_beta_model():
     assert pl.p2p_seconds(1e6, 1e-5, 1e9) == pytest.approx(1.01e-3)
 
 
+def test_fixed_cost_per_call_and_gloos_reduce_scatter():
+    """call_s once per call whatever its size; gloo's reduce-scatter costs an all-reduce; the link carries both."""
+    assert pl.collective_seconds("all_gather", 1e6, 4, 1e-5, 1e9, 2e-3) == pytest.approx(2e-3 + 3e-5 + 0.75e-3)
+    assert pl.collective_seconds("all_reduce", 4, 2, 0.0, 1e9, 2e-3) == pytest.approx(2e-3 + 4 / 1e9)
+    assert pl.collective_seconds("all_reduce", 1e6, 1, 1.0, 1.0, 2e-3) == 0.0          # one rank: no call
+    ring = pl.collective_seconds("reduce_scatter", 1e6, 4, 1e-5, 1e9)
+    gloo = pl.collective_seconds("reduce_scatter", 1e6, 4, 1e-5, 1e9, 0.0, True)
+    assert gloo == pytest.approx(pl.collective_seconds("all_reduce", 1e6, 4, 1e-5, 1e9)) == pytest.approx(2 * ring)
+    assert pl.collective_seconds("all_gather", 1e6, 4, 1e-5, 1e9, 0.0, True) == pytest.approx(3e-5 + 0.75e-3)
+    assert pl.p2p_seconds(1e6, 1e-5, 1e9, 2e-3, True) == pytest.approx(2e-3 + 1.01e-3)
+    cluster = pl.ClusterSpec("gloo-like", 4, 1e9, 1e9, 1.0, 1e-5, 1e9, 1e-4, 1e8, call_s=2e-3,
+                             reduce_scatter_as_all_reduce=True)
+    config = pl.ParallelConfig(dp=2, tp=2, pp=2)
+    assert pl.axis_link(cluster, config, "tp") == pl.Link(1e-5, 1e9, 2e-3, True)
+    assert pl.axis_link(cluster, config, "pp") == pl.Link(1e-4, 1e8, 2e-3, True)      # 8 GPUs apart: 2 nodes
+    assert pl.axis_link(pl.A100_SELENE, config, "dp").call_s == 0.0                     # published: 0
+
+
 def test_links_and_tp_collectives():
     """tp inside a node unless it is larger; sp: all-gathers and reduce-scatters, one more gather back."""
     cluster = scale.H100_CLUSTER
     inside = pl.ParallelConfig(dp=16, tp=8, pp=8)
-    assert pl.axis_link(cluster, inside, "tp") == (cluster.intra_latency_s, cluster.intra_bytes_per_s)
+    assert pl.axis_link(cluster, inside, "tp") == (cluster.intra_latency_s, cluster.intra_bytes_per_s, 0.0, False)
     assert pl.axis_link(cluster, inside, "dp")[1] == cluster.inter_bytes_per_s
     assert pl.axis_link(cluster, inside, "pp")[1] == cluster.inter_bytes_per_s
     assert pl.axis_link(cluster, pl.ParallelConfig(dp=2, tp=2, pp=2), "pp")[1] == cluster.intra_bytes_per_s
@@ -170,3 +188,55 @@ def test_traffic_agrees_with_notebook_05():
     assert plan.tp_bytes == pytest.approx(theirs["tensor parallel"]["bytes"])
     assert plan.pp_bytes == pytest.approx(theirs["pipeline parallel"]["bytes"])
     assert plan.dp_bytes == pytest.approx(theirs["data parallel"]["bytes"], rel=0.1)   # GPT vs Llama parameters
+
+
+# ------------------------------------------------------------------------------ lab 12's run
+def lab12_stage_params(config, shape, stage):
+    """What a rank of `stage` holds in lab 12 (before FSDP's dp sharding): its stage's parameters,
+    matrices and the embedding / output layer split over tp, norms whole (labs/lab12_parallelize)."""
+    from labs.lab12_model import build_model
+    from labs.lab12_parallelize import pipeline_stage
+
+    pp, _, tp = shape
+    model = pipeline_stage(build_model(config), stage, pp)
+    return sum(p.numel() if name.endswith("norm.weight") else p.numel() / tp for name, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_lab12_model_counts_lab12s_parameters(small):
+    """RMSNorm, rotary positions, no biases, an MLP of ffn, an untied output: the planner counts lab 12's model."""
+    from labs.lab12_model import LMConfig, parameter_count
+    from labs.lab09_mesh import lab12_model
+
+    config = LMConfig(dim=32, heads=4, layers=4, ffn=64, seq=32, batch=8) if small else LMConfig()
+    spec = lab12_model(config)
+    assert spec.params + spec.norm_params() == parameter_count(config)       # + the final norm
+    h, f = config.dim, config.ffn
+    assert spec.layer_params(2) == (4 * h * h + 2 * h * f) / 2 + 2 * h
+    assert spec.layer_forward_flops(1) == 2 * config.seq * (4 * h * h + 2 * h * f) + 4 * config.seq ** 2 * h
+    assert spec.embedding_params(2) == config.vocab * h / 2 and spec.last_stage_params(2) == config.vocab * h / 2 + h
+
+
+@pytest.mark.parametrize("shape,microbatches", [((2, 2, 2), 4), ((2, 1, 2), 4), ((1, 1, 2), 1), ((1, 2, 1), 1)])
+def test_plan_lab12_holds_what_each_stage_holds(shape, microbatches):
+    """plan_lab12: per stage, the parameters lab 12's stage holds on a rank (tp-split, then ZeRO-3 over dp), AdamW's 8 bytes."""
+    needs_planner()
+    from labs.lab08_zero import model_state_bytes
+    from labs.lab09_mesh import lab12_config, plan_lab12
+    from labs.lab12_model import LMConfig
+
+    config = LMConfig()
+    plan = plan_lab12(config, shape, microbatches, pl.A100_SELENE)
+    pp, dp, _ = shape
+    for key, stage in (("first stage", 0), ("last stage", pp - 1)):
+        memory = plan["memory"][key]
+        params = lab12_stage_params(config, shape, stage)
+        if key == "first stage" and pp == 1:      # one stage: the planner's stage 0 leaves out the output layer
+            continue
+        assert memory["params_per_gpu"] == pytest.approx(params), (key, memory["params_per_gpu"], params)
+        states = model_state_bytes(params, dp, 3, 4, 4, 8)
+        assert memory["parameters"] == pytest.approx(states["parameters"])
+        assert memory["optimizer state"] == pytest.approx(states["optimizer state"])
+    assert plan["config"]["zero_stage"] == 3 and plan["config"]["sequence_parallel"] == (shape[2] > 1)
+    assert plan["step_s"] == pytest.approx(sum(plan["time"][k] for k in ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm")))
+    assert lab12_config(shape, microbatches, activation_checkpointing=True).recompute == "full"

@@ -208,3 +208,25 @@ def test_zero_gathers_parameters_not_gradients(stage):
     want = (pl.collective_seconds("reduce_scatter", 4 * params, 4, *link)
             + pl.collective_seconds("all_gather", 2 * params, 4, *link))
     assert plan.dp_comm == pytest.approx(want)
+
+
+@pytest.mark.exercise("plan_step_time")
+@pytest.mark.parametrize("options", [{}, {"sequence_parallel": True}, {"zero_stage": 2}])
+def test_every_call_pays_the_fixed_cost_of_the_link(options):
+    """With a fixed cost per call and gloo's reduce-scatter, each term equals its calls on the whole Link."""
+    cluster = replace(CLUSTER, call_s=3e-5, reduce_scatter_as_all_reduce=True)
+    config = pl.ParallelConfig(dp=4, tp=4, pp=2, micro_batches=4, **options)     # 32 GPUs on nodes of 8
+    plan = pl.plan_step_time(MODEL, cluster, config)
+    links = {axis: pl.axis_link(cluster, config, axis) for axis in ("tp", "dp", "pp")}
+    activation = 4 * 32 * 64 * 2                                                    # b = 4
+    kinds = pl.tp_collectives_per_layer(config)
+    assert plan.tp_comm == pytest.approx(4 * 4 * sum(pl.collective_seconds(k, activation, 4, *links["tp"])
+                                                     for phase in kinds.values() for k in phase))
+    assert plan.pp_comm == pytest.approx(4 * 2 * pl.p2p_seconds(activation / 4, *links["pp"]))
+    params = pl.plan_memory(MODEL, config).params_per_gpu
+    ops = ([("all_reduce", 2 * params)] if config.zero_stage == 0 else
+           [("reduce_scatter", 2 * params), ("all_gather", 2 * params)])
+    assert plan.dp_comm == pytest.approx(sum(pl.collective_seconds(k, n, 4, *links["dp"]) for k, n in ops))
+    free = pl.plan_step_time(MODEL, replace(cluster, call_s=0.0), config)
+    assert plan.tp_comm > free.tp_comm and plan.pp_comm > free.pp_comm and plan.dp_comm > free.dp_comm, (
+        "every collective and message pays the link's fixed cost per call")

@@ -386,6 +386,39 @@ def test_each_axis_uses_the_link_its_group_crosses():
 
 
 @pytest.mark.exercise("plan_step_time")
+def test_every_call_pays_the_links_fixed_cost():
+    """A cluster with a fixed cost per call and gloo's reduce-scatter: every collective and message pays them (pass each Link whole)."""
+    gloo = replace(CLUSTER, call_s=1e-4, reduce_scatter_as_all_reduce=True)
+    config = pl.ParallelConfig(dp=2, tp=2, pp=2, micro_batches=2, sequence_parallel=True)   # nodes of 4
+    plan = pl.plan_step_time(TINY, gloo, config)
+    tp_link, dp_link, pp_link = (pl.axis_link(gloo, config, axis) for axis in ("tp", "dp", "pp"))
+    assert tp_link == (1e-6, 1e9, 1e-4, True) and pp_link == (1e-5, 1e8, 1e-4, True)
+    activation = 2 * 4 * 8 * 2                                        # b = 2, s = 4, h = 8, bf16
+    kinds = pl.tp_collectives_per_layer(config)
+    tp_time = lambda link: 2 * 2 * sum(pl.collective_seconds(k, activation, 2, *link)   # noqa: E731
+                                       for phase in kinds.values() for k in phase)
+    two_fields = lambda link: tuple(link)[:2]                         # noqa: E731
+    expect(plan.tp_comm, tp_time(tp_link), "tp_comm with a fixed cost per call and gloo's reduce-scatter",
+           "collective_seconds(kind, nbytes, tp, *axis_link(cluster, config, 'tp')): the whole Link, whose "
+           "call_s every call pays and whose rule makes a reduce-scatter cost an all-reduce",
+           [(tp_time(two_fields(tp_link)), "only the link's latency and bandwidth are passed (the Link's call_s and "
+                                           "reduce_scatter_as_all_reduce are left out: pass it whole, *link)"),
+            (tp_time(tuple(tp_link)[:3]), "the Link's reduce-scatter rule is left out (pass it whole, *link)"),
+            (tp_time(tp_link) / 2, "the tensor-parallel collectives are counted once per step (every one of the m "
+                                   "micro-batches issues them)")])
+    params = 2 * TINY.layer_params(2) + TINY.embedding_params(2)
+    expect(plan.dp_comm, pl.collective_seconds("all_reduce", 2 * params, 2, *dp_link), "dp_comm with a fixed cost per call",
+           "collective_seconds(..., *axis_link(cluster, config, 'dp'))",
+           [(pl.collective_seconds("all_reduce", 2 * params, 2, *two_fields(dp_link)),
+             "the dp link's fixed cost per call is left out (pass the Link whole)")])
+    message = activation / 2
+    expect(plan.pp_comm, 2 * 2 * pl.p2p_seconds(message, *pp_link), "pp_comm with a fixed cost per message",
+           "p2p_seconds(nbytes, *axis_link(cluster, config, 'pp')): every message pays the call's fixed cost",
+           [(2 * 2 * pl.p2p_seconds(message, *two_fields(pp_link)), "the pp link's fixed cost per message is left "
+                                                                     "out (pass the Link whole)")])
+
+
+@pytest.mark.exercise("plan_step_time")
 def test_pipeline_messages_follow_v_and_tp():
     """Interleaved, v = 4, tp = 2: per micro-batch 2 v messages (v each way) of b s h bytes / tp."""
     model = pl.ModelSpec("deep", layers=8, hidden=8, heads=2, seq=4, vocab=16, global_batch=8)
