@@ -80,7 +80,28 @@ def transform(root: Path, rel: str) -> Transformed:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return Transformed(data)
+    if rel.endswith(".md"):
+        text = without_instructor_sections(text)
+        data = text.encode("utf-8")
     return Transformed(data, [], text.splitlines())
+
+
+INSTRUCTOR_SECTION = ("<!-- instructor-only -->", "<!-- /instructor-only -->")
+
+
+def without_instructor_sections(text: str) -> str:
+    """Markdown without the parts between INSTRUCTOR_SECTION's two comment lines (the README's
+    pointers to the instructor's and maintainer's guides, which the student edition lacks)."""
+    begin, end = INSTRUCTOR_SECTION
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        if line.strip() == begin:
+            skipping = True
+        elif line.strip() == end and skipping:
+            skipping = False
+        elif not skipping:
+            out.append(line)
+    return "".join(out)
 
 
 def _transform_notebook(rel: str, data: bytes) -> Transformed:

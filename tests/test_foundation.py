@@ -482,6 +482,19 @@ def test_every_lab_documents_how_to_run_it():
         assert "./run.sh" in doc, f"{lab.name}: its docstring should say how to run it"
 
 
+def test_readme_is_a_students_page_with_the_settings_table_from_config():
+    """The README lists every setting exactly as helpers/config.py's table has them (the one
+    place that reads them), and stays a page a student reads in minutes."""
+    from helpers.config import markdown
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert markdown() in readme, ("README.md's settings table differs from helpers/config.py's: "
+                                  "paste the output of `python -m helpers.config markdown`")
+    assert len(readme.encode()) <= 14_000, f"README.md is {len(readme.encode())} bytes; keep it a student's page"
+    for name in sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("*.ipynb")):
+        assert f"`{name}`" in readme, f"README.md's table of notebooks has no row for {name}"
+
+
 def test_abort_at_exit_after_finishing_is_reported_not_fatal(capsys):
     res = launch(SCRIPTS / "abort_rank.py", "after", nproc=2, timeout=120, stream=False)
     assert res.returncode != 0 and sorted(res.results) == [0, 1]

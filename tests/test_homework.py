@@ -480,6 +480,12 @@ def test_release_of_this_repository_stubs_every_block_and_leaks_nothing(tmp_path
         assert marker_lines(text) == [], f"marker left in {rel}"
     assert not any(rel.startswith(("tests/hidden/", "tests/homework_fixtures/")) for rel in shipped)
     assert "tests/test_homework.py" not in shipped
+    # the student's page only: no instructor's or maintainer's guide, no pointer to them
+    assert not any(rel.startswith("docs/") for rel in shipped), [r for r in shipped if r.startswith("docs/")]
+    readme = shipped["README.md"]
+    assert "instructor-only" not in readme and "INSTRUCTORS.md" not in readme and \
+        "MAINTAINERS.md" not in readme, "the student edition's README points to guides it lacks"
+    assert "## Homework" in readme and "./run.sh check" in readme
 
 
 def graded_tests_without_a_docstring(folders=("tests/public", "tests/hidden")) -> list[str]:
