@@ -197,7 +197,9 @@ def record_error(rank: int, exc: BaseException) -> None:
         return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     path = Path(folder) / f"error.rank{rank}.txt"
-    path.write_text(f"{time.time()}\n{text}")
+    tmp = path.with_suffix(".tmp")  # whole or not at all: the launcher may read it while we die
+    tmp.write_text(f"{time.time()}\n{text}")
+    tmp.replace(path)
 
 
 @contextlib.contextmanager

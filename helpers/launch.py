@@ -391,7 +391,10 @@ def _read_errors(folder: Path) -> list[tuple[float, int, str]]:
     errors = []
     for path in folder.glob("error.rank*.txt"):
         stamp, _, text = path.read_text().partition("\n")
-        errors.append((float(stamp), int(path.name[len("error.rank"):-len(".txt")]), text))
+        try:
+            errors.append((float(stamp), int(path.name[len("error.rank"):-len(".txt")]), text))
+        except ValueError:  # not a record error.rank wrote (they are written whole)
+            continue
     return sorted(errors)
 
 
