@@ -41,7 +41,6 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from helpers import pick, smoke

@@ -203,7 +203,7 @@ def test_launcher_timeout_kills_every_rank(tmp_path, fork_ranks):
     for timeout in (8, 30, 90):
         pid_dir = tmp_path / f"pids{timeout}"
         pid_dir.mkdir()
-        with pytest.raises(LaunchError, match=f"timed out after {timeout} s") as info:
+        with pytest.raises(LaunchError, match=f"timed out after {timeout} s"):
             launch(SCRIPTS / "hang_rank.py", "--all", nproc=2, timeout=timeout, stream=False,
                    env={"HANG_PID_DIR": str(pid_dir)}, fork_ranks=fork_ranks)
         pids = [int(p.read_text()) for p in pid_dir.glob("*.pid")]

@@ -11,7 +11,6 @@ One launch on 2 ranks (this file is its worker); everything else in this process
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ with the cluster's per-call cost; the rankings of the published models keep thei
 from __future__ import annotations
 
 import pytest
-import torch
 
 from labs import lab09_planner as pl
 from labs import lab11_experts as experts

@@ -466,7 +466,7 @@ def error_hint(error: str, nproc: int) -> str:
                 "chunks of len(params) // N break when N does not divide it); balance the ranks by "
                 "element count as the docstring says")
     if "ZeroDivisionError" in error:
-        return (f"fewer parameters than ranks? len(params) // N is 0 then; balance the ranks by "
+        return ("fewer parameters than ranks? len(params) // N is 0 then; balance the ranks by "
                 "element count as the docstring says")
     if "imed out" in error or "timeout" in error:
         return ("a collective timed out: every rank must issue the same collectives in the same "
