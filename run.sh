@@ -191,9 +191,9 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # ---- dispatch ----------------------------------------------------------------------------------
 case "$cmd" in
-  labs) exec "$PY" -m helpers.cli labs ;;
-  [0-9]|[0-9][0-9]) exec "$PY" -m helpers.cli labs "$cmd" ;;
-  *.py) shift; exec "$PY" -m helpers.cli script "$cmd" "$@" ;;
+  labs) exec "$PY" -m helpers.launch.cli labs ;;
+  [0-9]|[0-9][0-9]) exec "$PY" -m helpers.launch.cli labs "$cmd" ;;
+  *.py) shift; exec "$PY" -m helpers.launch.cli script "$cmd" "$@" ;;
   test)
     shift
     check_sandbox

@@ -1,5 +1,22 @@
-"""The course's shared package: process groups (dist), the launcher (launch), timing (bench),
-tables and plots (show), and the run mode below."""
+"""The course's shared package: what labs, notebooks and tests import. One job a module:
+
+- config: every setting (environment variable) the course reads, read and checked once;
+- dist: the backend and device choice, the process group, what a rank reports and how it fails;
+- launch/: starting ranks (torchrun from a notebook cell, a test or run.sh) and never leaving one
+  behind: torchrun, procs, warm, cli, run_labs;
+- notice: an unsolved exercise's notice instead of a failure (notebooks, labs, tests);
+- bench, comm_bench: timing done right; collectives' bandwidth and each call's fixed cost;
+- comm_count: what a process sends (point-to-point, collectives, or counted by the caller);
+- accounting, tensors: the bytes a process holds; even splits, seeded construction;
+- show: tables, figures and explorers, in a notebook and on a terminal;
+- flight_recorder, mystery_jobs: notebook 10's instruments (torch's flight recorder; the jobs of
+  the `diagnose` exercise);
+- notebook_filter, lean_imports: the repository's own tooling (git's filter for notebooks; one
+  slow import left out of the processes that read notebooks).
+
+The run mode is below: `smoke()` and `pick(full, small)`. The homework application (check,
+submit, release, grade) is a package of its own, homework/.
+"""
 from __future__ import annotations
 
 

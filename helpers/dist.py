@@ -219,7 +219,7 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
     else:
         # Mark this rank's work done *before* the barrier, so every mark is on disk before any rank
         # can exit; then no rank tears its group down while another still talks to it. (The
-        # launcher uses the marks: see FINISHED in helpers/launch.py.)
+        # launcher uses the marks: see FINISHED in helpers/launch/torchrun.py.)
         ctx.report(**{FINISHED: True})
         ctx.barrier()
         _record_later_errors(ctx.rank)

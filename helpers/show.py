@@ -178,7 +178,7 @@ def explorer(controls: Sequence[Any], render: Callable[[], str | Sequence[str]],
     import ipywidgets as widgets
     from IPython.display import display
 
-    from helpers.exercise import notice_html, student_edition, unsolved_message
+    from helpers.notice import notice_html, student_edition, unsolved_message
 
     panel = widgets.HTML()
 

@@ -24,7 +24,7 @@ from homework.runner import DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, run_te
 RESULTS_FILE = "runs/homework/check-all.json"
 # how pytest names the error of a test whose launch failed (tests/conftest.py); its message says
 # the rest ("rank 1 raised ValueError: ... at labs/...")
-RANK_FAILURE = "tests.conftest.RankFailure: "
+RANK_FAILURE = "tests.harness.RankFailure: "
 
 STATUS_TEXT = {"passed": "passed", "failed": "failed", "not_implemented": "not implemented yet",
                "not_run": "not run"}

@@ -9,7 +9,7 @@ only what the course's markers mean:
   default 1) and doc (the first line of the test's docstring, what grading feedback shows for it);
 - each failed report gets a `("homework", category)` user property, one word from a fixed
   vocabulary: `not_implemented` (an exercise's stub raised, directly or in a rank: decided by
-  helpers.exercise.unsolved_message), `timeout` (pytest-timeout stopped it), `assertion` or
+  helpers.notice.unsolved_message), `timeout` (pytest-timeout stopped it), `assertion` or
   `error`; with ("homework_stub", the stub's message) for a stub, and ("homework_where",
   "labs/lab01_gil_threads.py:40 `code`") when the exception was raised inside the labs (the
   innermost frame there), which `check` adds to the failure's one-line message.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.exercise import unsolved_message
+from helpers.notice import unsolved_message
 
 COLLECTION_OPTION = "--homework-collection"
 CATEGORY_KEY = "homework"

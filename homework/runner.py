@@ -14,7 +14,7 @@ twice, a report for a test that is not the one running, an unreadable line) is r
 `tampering`: the code under test writes to the same channel, see homework.grade.
 
 Where the process runs is the caller's choice: `Direct` (the student's own checks, under the
-helpers.procs guard that kills the whole tree) or homework.sandbox.Sandbox (grading).
+helpers.launch.procs guard that kills the whole tree) or homework.sandbox.Sandbox (grading).
 Output is drained and only its head and tail kept, so a flood costs neither memory nor disk.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers import procs
+from helpers.launch import procs
 from homework.plugin import CATEGORIES, CATEGORY_KEY, COLLECTION_OPTION, STUB_KEY, WHERE_KEY
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -105,7 +105,7 @@ def _limit_file_size() -> None:
 
 
 class Direct:
-    """pytest as a child of a helpers.procs guard on `tree`: stopping it ends the whole tree.
+    """pytest as a child of a helpers.launch.procs guard on `tree`: stopping it ends the whole tree.
     No isolation: for the student's own checks (and `grade --unsafe`)."""
 
     kind = "direct"
@@ -116,7 +116,7 @@ class Direct:
 
     def start(self, args: list[str], events: Path, collection: Path | None = None) -> "DirectRun":
         extra = [f"--report-log={events}"] + ([f"{COLLECTION_OPTION}={collection}"] if collection else [])
-        guarded = [sys.executable, "-m", "helpers.procs", "guard", "--", sys.executable, *args, *extra]
+        guarded = [sys.executable, "-m", "helpers.launch.procs", "guard", "--", sys.executable, *args, *extra]
         proc = subprocess.Popen(guarded, cwd=self.tree, env=self.env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=_limit_file_size)

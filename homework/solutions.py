@@ -22,7 +22,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.exercise import stub_messages
+from helpers.notice import stub_messages
 
 BEGIN = "###" + " BEGIN SOLUTION"
 END = "###" + " END SOLUTION"

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from helpers import pick
 from helpers.bench import intra_op_threads, measure
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from labs.lab01_machine import available_cores, compute_cores, gil_status, worker_context
 
 KINDS = ("serial", "thread", "process")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from helpers import pick
 from helpers.bench import measure
 from helpers.dist import DistContext, distributed, gpu_count, synchronize
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.tensors import divide, nbytes, seeded
 
 # ----------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from helpers import pick
 from helpers.bench import intra_op_threads, measure
 from helpers.dist import distributed, gpu_count, synchronize
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.tensors import nbytes
 from labs.lab02_data_parallel import (FORWARD_PHASES, ThreadDataParallel, make_batch, make_mlp,
                                       parallel_apply, replicate, scatter)

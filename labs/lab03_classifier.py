@@ -37,7 +37,7 @@ from torch.utils.data.distributed import DistributedSampler
 from helpers import pick
 from helpers.bench import intra_op_threads
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.tensors import ddp_device_ids, divide, seeded
 from labs.lab03_training import mean_over_ranks
 

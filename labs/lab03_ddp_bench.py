@@ -35,7 +35,7 @@ from helpers import pick
 from helpers.bench import measure
 from helpers.comm_bench import all_reduce_fit
 from helpers.dist import DistContext, distributed, synchronize
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from labs.lab03_ddp import make_mlp
 from labs.lab03_equivalence import DataParallel, wrap

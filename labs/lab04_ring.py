@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from helpers import pick
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 
 

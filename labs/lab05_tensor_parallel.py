@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from helpers import pick
 from helpers.comm_count import CommLog, LoggedCollective
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide, seeded
 

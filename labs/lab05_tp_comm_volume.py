@@ -29,7 +29,7 @@ from helpers.bench import measure
 from helpers.comm_bench import LINK_BYTES_PER_S
 from helpers.comm_count import LoggedCollective, ring_bytes_sent
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide
 from labs.lab05_tensor_parallel import (

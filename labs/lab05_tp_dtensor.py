@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from helpers import pick
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from labs.lab05_tensor_parallel import dense_mlp, megatron_mlp, sample_batch
 

@@ -15,7 +15,7 @@ times (what the bubble would be if messages cost nothing).
 
 Exercises (homework): `StageExecutor.backward_step` (here), then `one_f_one_b_schedule`
 (labs/lab06_schedules.py). In the student edition the parts that need an unsolved exercise
-report it (helpers.exercise.attempt) and the rest runs.
+report it (helpers.notice.attempt) and the rest runs.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from helpers import pick
 from helpers.bench import measure
 from helpers.dist import distributed, synchronize
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide, seeded
 from labs.lab06_schedules import (SCHEDULES, Action, TimedAction, bubble_formula,  # noqa: F401

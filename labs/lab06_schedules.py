@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from helpers.exercise import attempt, solved
+from helpers.notice import attempt, solved
 
 Action = tuple[str, int]       # ("F", i) or ("B", i): forward / backward of micro-batch i
 Schedule = list[list[Action]]  # schedule[stage] = that stage's actions, in the order it runs them
@@ -330,7 +330,7 @@ def schedule_summary(name: str, num_stages: int, num_microbatches: int,
 
 def main() -> None:
     from helpers.dist import distributed
-    from helpers.exercise import notice_if_unsolved
+    from helpers.notice import notice_if_unsolved
     from helpers.show import table
 
     with distributed() as ctx:

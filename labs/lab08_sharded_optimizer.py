@@ -33,7 +33,7 @@ from helpers.accounting import held_bytes, tensors_held_by
 from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import reduce_scatter_single
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from labs.lab08_zero import LR, max_diff, my_rows, problem, spread_over_ranks
 

@@ -17,7 +17,7 @@ import itertools
 from dataclasses import asdict, replace
 
 from helpers.comm_bench import LINK_BYTES_PER_S
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from labs.lab09_planner import (A100_SELENE, GB, ClusterSpec, ModelSpec, ParallelConfig, axis_link,
                                 check_config, narayanan_flops, plan_memory, plan_step_time)
 from labs.lab09_schedules import pipeline_timing
@@ -218,7 +218,7 @@ def with_tp_across_nodes(config: ParallelConfig, cluster: ClusterSpec) -> Cluste
 
 def main() -> None:
     from helpers.dist import distributed
-    from helpers.exercise import notice_if_unsolved, solved
+    from helpers.notice import notice_if_unsolved, solved
     from helpers.show import table
 
     with distributed() as ctx:

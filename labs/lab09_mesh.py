@@ -48,7 +48,7 @@ from helpers.accounting import held_bytes
 from helpers.bench import measure
 from helpers.comm_bench import (all_reduce_fit, fit_call_costs, reduce_scatter_single, slowest)
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import ddp_device_ids, divide
 from labs.lab05_tensor_parallel import all_reduce_sum, max_param_diffs

@@ -457,7 +457,7 @@ A100_SELENE = ClusterSpec(
 
 def main() -> None:
     from helpers.dist import distributed
-    from helpers.exercise import attempt, notice_if_unsolved, solved
+    from helpers.notice import attempt, notice_if_unsolved, solved
     from helpers.show import table
 
     model = ModelSpec("GPT 1.7B (Narayanan et al. table 1)", 24, 2304, 24, 2048, 51200, 512)

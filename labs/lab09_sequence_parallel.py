@@ -38,7 +38,7 @@ from helpers import pick
 from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import reduce_scatter_single
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide, seeded
 from labs.lab05_tensor_parallel import (MLP, ColumnParallelLinear, RowParallelLinear,

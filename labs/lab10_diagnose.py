@@ -19,7 +19,7 @@ import sys
 from helpers import pick
 from helpers.config import settings
 from helpers.dist import distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.mystery_jobs import BUGS, JobOutputs, gather_outputs, outputs_from_dict, plant, run_jobs
 from helpers.show import table
 

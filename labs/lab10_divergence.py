@@ -34,7 +34,7 @@ from torch import nn
 from helpers import pick
 from helpers.comm_count import count_collectives
 from helpers.dist import distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import seeded
 

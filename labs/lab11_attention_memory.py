@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import labs.lab11_ring_attention as ring
 from helpers import pick
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from labs.lab07_memory import SavedTensorBytes, peak_memory
 

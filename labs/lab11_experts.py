@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from helpers import pick
 from helpers.comm_count import count_collectives, patched
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide, seeded
 

@@ -29,7 +29,7 @@ import labs.lab11_ring_attention as ring
 from helpers import pick
 from helpers.comm_count import count_collectives, count_p2p
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import labs.lab11_ring_attention as ring
 from helpers import pick
 from helpers.dist import DistContext, distributed
-from helpers.exercise import attempt
+from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide
 

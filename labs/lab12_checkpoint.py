@@ -244,7 +244,7 @@ def lab(ctx: DistContext, args: argparse.Namespace, root: Path) -> dict:
 
 def main(argv=None) -> None:
     """The run, reported under "checkpoint" ({"unsolved": ...} while an exercise is a stub)."""
-    from helpers.exercise import attempt
+    from helpers.notice import attempt
     from helpers.show import table
 
     args = parse_args(argv)

@@ -285,7 +285,7 @@ def what_composes(ctx, shape: tuple[int, int, int]) -> dict:
 
 def main() -> None:
     from helpers.dist import distributed
-    from helpers.exercise import attempt
+    from helpers.notice import attempt
     from helpers.show import table
     from labs.lab12_model import default_config, parameter_count
 

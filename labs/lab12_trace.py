@@ -236,7 +236,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     """The profiled run, reported under "trace" ({"unsolved": ...} while an exercise is a stub)."""
-    from helpers.exercise import attempt
+    from helpers.notice import attempt
     from helpers.show import table
 
     args = parse_args(argv)

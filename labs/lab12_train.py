@@ -513,7 +513,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     """The run, reported under "train" ({"unsolved": ...} while an exercise is a stub: the
     notebook shows a notice for it), and rank 0's summary."""
-    from helpers.exercise import attempt
+    from helpers.notice import attempt
     from helpers.show import table
 
     args = parse_args(argv)

@@ -1,10 +1,10 @@
-"""helpers/exercise.py's notices: one per exercise per notebook cell, one "[not done yet]" line per
+"""helpers/notice.py's notices: one per exercise per notebook cell, one "[not done yet]" line per
 exercise per process (a lab's rank, a terminal run), and the records that `attempt` returns."""
 from __future__ import annotations
 
 import pytest
 
-import helpers.exercise as ex
+import helpers.notice as ex
 
 
 def stub(name: str) -> str:

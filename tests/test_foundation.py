@@ -135,9 +135,9 @@ def test_a_ranks_error_is_located_in_the_labs():
     """A rank's error names the innermost frame in labs/ (the student's files) with its code, and
     the tests' RankFailure lists its last frames there: from the exception raised, else from the
     one it was handling; never for a stub (its message names its file) or outside labs/."""
-    from helpers.exercise import Unsolved
-    from helpers.launch import _first_error, lab_frames
-    from tests.conftest import RankFailure, _as_error
+    from helpers.notice import Unsolved
+    from helpers.launch.torchrun import _first_error, lab_frames
+    from tests.harness import RankFailure, _as_error
 
     lab = REPO_ROOT / "labs" / "lab04_ring.py"
     text = f"""Traceback (most recent call last):
@@ -278,8 +278,8 @@ def test_interrupted_launch_leaves_no_process_and_says_so_in_one_line(tmp_path, 
 @pytest.mark.parametrize("fork_ranks", [False, True], ids=["fresh ranks", "warm launcher"])
 def test_killed_launching_process_takes_its_ranks_along(tmp_path, fork_ranks):
     """Restarting a busy Jupyter kernel SIGKILLs it: no cleanup code of it runs, yet no rank may
-    outlive it (the guard in helpers.procs notices its parent died; with forked ranks, the warm
-    launcher (helpers.warm) and each guard it forked notice that the launching process died)."""
+    outlive it (the guard in helpers.launch.procs notices its parent died; with forked ranks, the warm
+    launcher (helpers.launch.warm) and each guard it forked notice that the launching process died)."""
     parent, pids = _start_launching_process(tmp_path, fork_ranks)
     tree = [p.pid for p in psutil.Process(parent.pid).children(recursive=True)]
     os.kill(parent.pid, signal.SIGKILL)

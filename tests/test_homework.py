@@ -81,7 +81,7 @@ def test_release_stubs_every_block_and_leaks_no_solution(course, student):
     # hidden tests and instructor-only files stay home; what students need ships
     assert not any(rel.startswith("tests/hidden/") for rel in texts)
     assert ".instructor-only" not in texts
-    for rel in ("run.sh", "README.md", "helpers/launch.py", "homework/check.py",
+    for rel in ("run.sh", "README.md", "helpers/launch/torchrun.py", "homework/check.py",
                 "tests/public/test_lab90_fixture.py", "labs/lab90_fixture.py"):
         assert rel in texts, rel
     assert os.access(out / "run.sh", os.X_OK), "run.sh must stay executable"
@@ -237,7 +237,7 @@ def rank_sum(value, group=None):
 RANKS_TEST = '''
 import pytest
 
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 
 @pytest.mark.exercise("rank_sum")
@@ -261,7 +261,8 @@ def test_check_shows_where_in_the_lab_a_rank_raised(tmp_path):
     """A rank's exception is located in the student's file: `check`'s line gives the innermost
     frame in labs/ (file, line, code), its log the rank's last frames in labs/, innermost last."""
     root = make_course(tmp_path, labs=("91",))
-    shutil.copy(REPO / "tests" / "conftest.py", root / "tests" / "conftest.py")  # launch_ranks
+    for name in ("conftest.py", "harness.py"):  # launch_ranks
+        shutil.copy(REPO / "tests" / name, root / "tests" / name)
     (root / "tests" / "public" / "test_lab91_fixture.py").write_text(RANKS_TEST)
     lab = root / "labs" / "lab91_fixture.py"
     lab.write_text(BUGGY_RANK_SUM)

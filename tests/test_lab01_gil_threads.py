@@ -10,7 +10,7 @@ import torch
 
 import labs.lab01_gil_threads as lab
 import labs.lab01_machine as machine
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 
 def test_scale_of_the_trillion_parameter_run():

@@ -14,7 +14,7 @@ from helpers.tensors import nbytes
 from labs import lab02_dp_costs as costs
 from labs.lab02_data_parallel import (FORWARD_PHASES, ThreadDataParallel, gather, make_batch,
                                       make_mlp, max_param_diff, parallel_apply, replicate, scatter)
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 
 def test_step_record_counts_every_byte_that_crosses_replica_0():

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 ATOL = 1e-6
 LABS = ("lab03_equivalence", "lab03_ddp", "lab03_ddp_bench", "lab03_training", "lab03_caveats")

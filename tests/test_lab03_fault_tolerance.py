@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 STEPS, CKPT_EVERY, KILL_AT = 16, 4, 10
 DATASET, LOCAL_BATCH = 128, 8

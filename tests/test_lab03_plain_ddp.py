@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 from labs import lab06_pipeline as lab
 from labs import lab06_schedules as sched
 from labs import lab06_sharding as sharding
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 F, B, W = "F", "B", "W"
 

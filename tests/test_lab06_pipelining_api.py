@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labs import lab06_pipelining_api as lab
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 
 def test_token_data_is_deterministic_and_learnable():

@@ -21,7 +21,7 @@ from labs import lab07_formats as fm
 from labs import lab07_low_precision as lp
 from labs import lab07_memory as mem
 from labs import lab07_swapping as swap
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 
 @pytest.fixture(scope="module", autouse=True)

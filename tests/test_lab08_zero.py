@@ -19,7 +19,7 @@ import torch
 
 from helpers.accounting import held_bytes, tensors_held_by
 from labs import lab08_zero as zero
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 PARTS = ("parameters", "gradients", "optimizer state")
 TOLERANCE = 1e-6

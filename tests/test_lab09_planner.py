@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.exercise import stub_message
+from helpers.notice import stub_message
 from labs import lab09_at_scale as scale
 from labs import lab09_planner as pl
 from labs.lab09_schedules import pipeline_timing
@@ -156,7 +156,7 @@ def test_explorer_logic():
 
 def test_explorer_without_the_planner(monkeypatch):
     """Student edition, planner unsolved: the explorer still shows the links and the schedule, and the stub's message."""
-    import helpers.exercise as exercise
+    import helpers.notice as exercise
 
     stub = ("Exercise plan_memory (notebook 09_combining.ipynb): predict the bytes held per GPU. Fill in the "
             "block in labs/lab09_planner.py and run ./run.sh check 09")

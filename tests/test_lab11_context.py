@@ -20,8 +20,8 @@ import labs.lab11_attention_memory as memory
 import labs.lab11_ring_attention as lab
 import labs.lab11_ulysses as ulysses
 import labs.lab11_zigzag as zigzag
-from helpers.exercise import solved
-from tests.conftest import launch_ranks
+from helpers.notice import solved
+from tests.harness import launch_ranks
 
 NPROC = 2
 TOL = 1e-12          # float64, one process: rounding only

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from labs import lab12_model as model_lab
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 NPROC = 4
 CONFIG = dict(dim=32, heads=4, layers=4, ffn=64, seq=32, batch=8)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.exercise import EDITION_STAMP, NOTICE_CLASS, stub_messages
-from tests.conftest import notebook_launches
+from helpers.notice import EDITION_STAMP, NOTICE_CLASS, stub_messages
+from tests.harness import notebook_launches
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(p.name for p in (REPO_ROOT / "notebooks").glob("*.ipynb"))

@@ -20,8 +20,8 @@ import traceback
 import pytest
 import torch
 
-from helpers.exercise import Unsolved, unsolved_message
-from tests.conftest import launch_ranks
+from helpers.notice import Unsolved, unsolved_message
+from tests.harness import launch_ranks
 from tests.public.test_lab03_classifier import classifier_checks, fit_and_observe
 from tests.public.test_lab03_ddp import HoldBack, complete_leading_buckets, observe_arrivals
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from labs.lab04_ring import ring_all_reduce
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 pytestmark = pytest.mark.exercise("ring_all_reduce")
 

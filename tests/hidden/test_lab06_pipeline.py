@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from helpers.exercise import solved
+from helpers.notice import solved
 from labs import lab06_pipeline as lab
 from labs import lab06_schedules as sched
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 NPROC = 3
 STEPS = 2

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.lab08_sharded_optimizer import ShardedOptimizer
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 from tests.public.test_lab08_sharded_optimizer import (BROADCAST_HINT, NEEDS, case_reports,
                                                        check_numbers, check_owner_rule,
                                                        check_state_is_sharded, check_stretch_bytes,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 from tests.public.test_lab10_debugging import (HINTS, Model, expected, misdiagnosed, missed, run_case,
                                                wrong_field)
 
@@ -87,7 +87,7 @@ def ranks():
 
 
 def divergence_reports(ranks) -> dict:
-    from helpers.exercise import solved
+    from helpers.notice import solved
     return {rank: solved(ranks[rank]["find_divergence"]) for rank in range(NPROC)}
 
 
@@ -161,7 +161,7 @@ def worker() -> None:
     import torch.distributed as dist
 
     from helpers.dist import distributed
-    from helpers.exercise import stub_message
+    from helpers.notice import stub_message
     from helpers.mystery_jobs import gather_outputs, plant, run_jobs
     from labs.lab10_divergence import find_divergence
 

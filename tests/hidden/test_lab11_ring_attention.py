@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from labs.lab11_ring_attention import ring_attention
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 from tests.public.test_lab11_ring_attention import overlap_violation, run_case
 
 pytestmark = pytest.mark.exercise("ring_attention")

@@ -18,9 +18,9 @@ import sys
 
 import pytest
 
-from helpers.exercise import stub_message
+from helpers.notice import stub_message
 from labs.lab12_parallelize import clip_grad_norm_, parallelize
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 from tests.public.test_lab12_parallelize import (BF16_LOSS_RTOL, LOSS_RTOL, PARAM_ATOL, case, clip,
                                                  run_worker)
 

@@ -16,7 +16,7 @@ import math
 import pytest
 
 from labs.lab03_classifier import fit
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 
 pytestmark = pytest.mark.exercise("ddp_classifier")

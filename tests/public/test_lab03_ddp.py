@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from labs.lab03_ddp import BucketedDDP, plan_buckets
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 
 ATOL, RTOL = 1e-6, 1e-5

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from labs.lab04_ring import ring_all_reduce
-from tests.conftest import RankFailure, Ranks, launch_ranks
+from tests.harness import RankFailure, Ranks, launch_ranks
 
 pytestmark = pytest.mark.exercise("ring_all_reduce")
 

@@ -16,8 +16,8 @@ import traceback
 import pytest
 
 import labs.lab05_tensor_parallel as lab
-from helpers.exercise import Unsolved, stub_message
-from tests.conftest import launch_ranks
+from helpers.notice import Unsolved, stub_message
+from tests.harness import launch_ranks
 
 TOL = 1e-9
 NPROC = 2

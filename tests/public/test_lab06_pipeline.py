@@ -17,10 +17,10 @@ import sys
 import pytest
 import torch
 
-from helpers.exercise import solved
+from helpers.notice import solved
 from labs import lab06_pipeline as lab
 from labs import lab06_schedules as sched
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 NPROC = 2
 STEPS = 3
@@ -220,7 +220,7 @@ def test_1f1b_training_equals_single_process(results, reference):
 def train_case(schedule_name: str, config, steps: int, rank: int, world_size: int, device) -> dict:
     """One training run on this rank, as JSON; an unsolved or invalid schedule is reported, not run
     (make_schedule is pure and the same on every rank, so all ranks skip it together)."""
-    from helpers.exercise import unsolved_message
+    from helpers.notice import unsolved_message
 
     try:
         schedule = sched.make_schedule(schedule_name, world_size, config.num_microbatches)

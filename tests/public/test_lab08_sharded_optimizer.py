@@ -36,9 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers.exercise import Unsolved, stub_message
+from helpers.notice import Unsolved, stub_message
 from labs.lab08_sharded_optimizer import ShardedOptimizer
-from tests.conftest import RankFailure, launch_ranks
+from tests.harness import RankFailure, launch_ranks
 
 pytestmark = pytest.mark.exercise("ShardedOptimizer")
 NPROC = 2
@@ -189,7 +189,7 @@ def build_on_every_rank(params, optimizer_cls, kwargs: dict) -> ShardedOptimizer
     rank that owns nothing is the usual one to fail: the others would wait for it forever)."""
     import torch.distributed as dist
 
-    from helpers.exercise import unsolved_message
+    from helpers.notice import unsolved_message
 
     try:
         sharded, error = ShardedOptimizer(params, optimizer_cls, **kwargs), None
@@ -424,7 +424,7 @@ def run_cases(cases: dict, stretch_cases: dict) -> None:
     import torch.distributed as dist
 
     from helpers.dist import distributed
-    from helpers.exercise import unsolved_message
+    from helpers.notice import unsolved_message
 
     with distributed() as ctx:
         torch.set_num_threads(1)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 NPROC = 3
 # name: (steps, every, planted: (after step, on rank, tensor(s) joined by "+", how) or None)
@@ -249,7 +249,7 @@ def ranks():
 
 
 def divergence_reports(ranks) -> dict:
-    from helpers.exercise import solved
+    from helpers.notice import solved
     return {rank: solved(ranks[rank]["find_divergence"]) for rank in range(NPROC)}
 
 
@@ -446,7 +446,7 @@ def worker() -> None:
     import torch.distributed as dist
 
     from helpers.dist import distributed
-    from helpers.exercise import stub_message
+    from helpers.notice import stub_message
     from helpers.mystery_jobs import gather_outputs, run_jobs
     from labs.lab10_divergence import find_divergence
 

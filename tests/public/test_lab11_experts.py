@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from labs.lab11_experts import ExpertParallelMoE
-from tests.conftest import RankFailure, Ranks, launch_ranks
+from tests.harness import RankFailure, Ranks, launch_ranks
 
 pytestmark = pytest.mark.exercise("ExpertParallelMoE.forward")
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from labs.lab11_ring_attention import ring_attention
-from tests.conftest import launch_ranks
+from tests.harness import launch_ranks
 
 pytestmark = pytest.mark.exercise("ring_attention")
 

@@ -9,7 +9,7 @@ Why not `!torchrun` or `mp.spawn` in a notebook: `!torchrun` ignores a non-zero 
 `subprocess.run(timeout=...)`: it kills torchrun but not the workers, which torchrun starts in
 sessions of their own, so they are left running. Here:
 
-- torchrun runs under a guard (`helpers.procs`) in a new session; every line any rank prints is
+- torchrun runs under a guard (`helpers.launch.procs`) in a new session; every line any rank prints is
   streamed, labelled with its global rank (`[rank2]:` on the second node of two);
 - on failure `LaunchError` names the rank that failed first and shows its traceback;
 - on timeout or KeyboardInterrupt (interrupting the cell) torchrun *and* its workers are killed,
@@ -19,7 +19,7 @@ sessions of their own, so they are left running. Here:
 - each rank's `ctx.report(...)` values come back in `LaunchResult.results`, indexed by rank.
 
 `fork_ranks=True` (the tests use it) starts torchrun from this process's warm launcher
-(`helpers.warm`: a process that imported torch once; no torchrun import per launch) and the ranks
+(`helpers.launch.warm`: a process that imported torch once; no torchrun import per launch) and the ranks
 as forks of torchrun (`--run-path --start-method fork`, Linux only) instead of as fresh `python -u
 script` processes, so neither torchrun nor any rank imports torch again: a two-rank launch that
 does nothing takes about 0.9 s instead of 3. The script, its ranks and what they report are the
@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from helpers import procs, warm
+from helpers.launch import procs, warm
 from helpers.config import settings
 from helpers.dist import FINISHED, RESULTS_ENV, gpu_count
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_KEPT_OUTPUT = 2_000_000  # characters of output kept in LaunchResult (a flood is truncated)
 FORK_RANKS_ENV = "COURSE_FORK_RANKS"  # "1": launches fork their ranks unless told otherwise
 # torchrun's label for each output line; ${rank} is the global rank (${local_rank} repeats per node)
@@ -295,7 +295,7 @@ def _child_env(results_dir: Path, nproc: int, extra: Mapping[str, str] | None) -
 def _run_streaming(cmd: list[str], env: dict[str, str], timeout: float, stream: bool,
                    warm_start: bool = False):
     """Run torchrun under a guard, streaming lines; end the whole tree on timeout or interrupt.
-    `warm_start`: from this process's warm launcher (helpers.warm), when it can."""
+    `warm_start`: from this process's warm launcher (helpers.launch.warm), when it can."""
     proc = None
     if warm_start and warm.available():
         try:

@@ -1,5 +1,5 @@
-"""What run.sh calls to run labs and scripts: `python -m helpers.cli labs [NN]` or
-`python -m helpers.cli script path/to/script.py [args...]`.
+"""What run.sh calls to run labs and scripts: `python -m helpers.launch.cli labs [NN]` or
+`python -m helpers.launch.cli script path/to/script.py [args...]`.
 
 Ranks per node come from NPROC (default: the GPU count when >= 2, else 2 on the CPU). Multi-node
 runs take NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT (torchrun's static rendezvous on node 0's
@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from helpers.config import ConfigError, settings
-from helpers.launch import REPO_ROOT, LaunchError, LaunchResult, default_nproc, launch, resolve_script
+from helpers.launch.torchrun import (REPO_ROOT, LaunchError, LaunchResult, default_nproc, launch,
+                                     resolve_script)
 from helpers.show import table
 
 def discover_labs(selection: str | None = None) -> list[Path]:
@@ -103,7 +104,7 @@ def run_script(script: str, args: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("labs", "script"):
-        print("usage: python -m helpers.cli labs [NN] | script PATH [ARGS...]", file=sys.stderr)
+        print("usage: python -m helpers.launch.cli labs [NN] | script PATH [ARGS...]", file=sys.stderr)
         return 2
     try:
         settings()  # every setting checked before anything starts

@@ -2,7 +2,7 @@
 all of them, where a launch per lab would pay both each time (seconds per launch).
 
     from helpers.launch import launch
-    res = launch("helpers/run_labs.py", "lab03_equivalence", "lab03_training", nproc=2)
+    res = launch("helpers/launch/run_labs.py", "lab03_equivalence", "lab03_training", nproc=2)
     res.rank0["lab03_training"]      # what labs/lab03_training.py's run(ctx) returned on rank 0
 
 The labs run in the order given, on every rank, inside one `helpers.dist.distributed()`; each
@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script: import from the repository root, not from helpers/
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from helpers.dist import distributed  # noqa: E402
 
 
 def main(names: list[str]) -> None:
     if not names:
-        raise SystemExit("usage: helpers/run_labs.py LAB [LAB ...]   (e.g. lab03_training)")
+        raise SystemExit("usage: helpers/launch/run_labs.py LAB [LAB ...]   (e.g. lab03_training)")
     labs = [importlib.import_module(f"labs.{name}") for name in names]  # a typo fails before setup
     with distributed() as ctx:
         for name, lab in zip(names, labs):

@@ -1,6 +1,6 @@
 """Process trees that never outlive whoever started them: the course's one process-tree killer.
 
-`start(cmd)` runs `cmd` under a small *guard* process (`python -m helpers.procs guard -- cmd`):
+`start(cmd)` runs `cmd` under a small *guard* process (`python -m helpers.launch.procs guard -- cmd`):
 
     launching process (a notebook kernel, pytest, run.sh)
       └─ guard: a subreaper that watches its parent
@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import psutil
@@ -220,9 +221,9 @@ def start(cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
     Stop it with `stop(proc)`. The guard passes stdin/stdout/stderr through and exits with
     `cmd`'s exit status (128 + N when a signal N ended it).
     """
-    guarded = [sys.executable, "-m", "helpers.procs", "guard", "--", *cmd]
+    guarded = [sys.executable, "-m", "helpers.launch.procs", "guard", "--", *cmd]
     env = dict(popen_kwargs.pop("env", None) or os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = str(Path(__file__).resolve().parents[2])  # the repository
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     return subprocess.Popen(guarded, env=env, start_new_session=True, **popen_kwargs)
 
@@ -247,7 +248,7 @@ def stop(proc: subprocess.Popen, wait: float = 10.0) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "guard" and argv[1] == "--" and len(argv) > 2:
         return guard(argv[2:])
-    print("usage: python -m helpers.procs guard -- CMD [ARGS...]", file=sys.stderr)
+    print("usage: python -m helpers.launch.procs guard -- CMD [ARGS...]", file=sys.stderr)
     return 2
 
 

@@ -5,7 +5,7 @@ Every launch starts torchrun, a Python process that imports torch before it does
 nothing takes about 1.9 s with forked ranks). A process that launches many times (a test run, a
 grading sandbox) starts one *warm launcher* instead, once: a process that has imported
 `torch.distributed.run` and does nothing else. Each launch asks it over a UNIX socket; it forks,
-and the child runs torchrun's own `main()` under a guard (`helpers.procs.supervise`), with the
+and the child runs torchrun's own `main()` under a guard (`helpers.launch.procs.supervise`), with the
 launch's arguments, environment, working folder and output pipe:
 
     launching process ── request (argv, env, cwd; stdin/stdout/stderr passed as fds) ──┐
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from helpers import procs
+from helpers.launch import procs
 
 REQUEST_BYTES = 4 << 20     # a request: argv and the environment, as JSON
 START_TIMEOUT_S = 120.0     # the warm launcher's own start (an import of torch, on a busy machine)
@@ -69,9 +69,9 @@ class WarmLauncher:
     def __init__(self):
         self.folder = tempfile.mkdtemp(prefix="course-warm-")
         self.path = os.path.join(self.folder, "socket")
-        here = str(Path(__file__).resolve().parent.parent)
+        here = str(Path(__file__).resolve().parents[2])  # the repository
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.warm", self.path], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.launch.warm", self.path], env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(self.path):
@@ -271,5 +271,5 @@ def _reap(waiting: dict[int, socket.socket]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m helpers.warm SOCKET_PATH")
+        raise SystemExit("usage: python -m helpers.launch.warm SOCKET_PATH")
     sys.exit(serve(sys.argv[1]))

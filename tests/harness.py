@@ -1,0 +1,181 @@
+"""The course's test harness: launching ranks for a test, and the test run's speed devices.
+conftest.py only wires it into pytest; test files import what they use from here.
+
+A test file that checks distributed code is also the torchrun script it launches: its
+`if __name__ == "__main__":` block runs the case named on the command line inside
+`helpers.dist.distributed()` and reports with `ctx.report(...)`. The test side launches it once per
+module and reads what every rank reported:
+
+    @pytest.fixture(scope="module")
+    def bucketed():
+        return launch_ranks(__file__, "bucketed", nproc=2, needs=[BucketedDDP])
+
+    def test_something(bucketed):
+        for rank, report in bucketed.items():
+            assert report["x"] == ..., f"rank {rank}: ..."
+
+`launch_ranks` never raises in the fixture. If the launch failed, every test that reads the
+result fails with the same short message naming the rank and its exception ("rank 1 raised
+ValueError: ..."), so each test reports the cause instead of one fixture ERROR. If an exercise in
+`needs` is still its stub, nothing is launched and each test reports the stub's own message, which
+`./run.sh check` shows as "not implemented yet".
+
+The speed devices of `./run.sh test`, all here (docs/MAINTAINERS.md says where the time goes):
+- every test launch forks: torchrun from the test process's warm launcher (helpers/launch/warm.py)
+  and the ranks from torchrun (`fork_ranks`), so neither imports torch again;
+- the notebooks' launches fork too (COURSE_FORK_RANKS, set while nbmake runs a notebook:
+  `NotebookLaunches`), except FRESH_NOTEBOOKS, which run exactly as students run them;
+- `group_and_order`: each test file stays on one xdist worker (its module-scoped launch runs once)
+  and the files go out longest first (the student journey, then the notebooks, then the files
+  with the most tests), so no long test starts last;
+- helpers/lean_imports.py, loaded by run.sh with `-p`, leaves out one slow import of nbformat's.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any, Iterable, Iterator, Mapping
+from unittest import mock
+
+import pytest
+
+from helpers.notice import Unsolved, stub_message
+
+DEFAULT_TIMEOUT_S = 240.0
+# Notebooks whose launches start fresh torchrun and rank processes under the tests, as students
+# run them, and why; every other notebook's launches fork (COURSE_FORK_RANKS: a few CPU-seconds
+# less per launch). A launch that restarts (--max-restarts) is always fresh.
+FRESH_NOTEBOOKS = {
+    "10_debugging.ipynb": "it reads torchrun's own failure reports and the hung ranks' stacks, "
+                          "which read differently for forked ranks",
+}
+
+
+class RankFailure(AssertionError):
+    """The launch behind this test failed; the message names the rank and its error."""
+
+
+class Ranks(Mapping[int, dict]):
+    """What each rank reported ({rank: report}), or the reason there is nothing to read."""
+
+    def __init__(self, reports: dict[int, dict] | None, error: BaseException | None = None,
+                 output: str = "", partial: dict[int, dict] | None = None):
+        self._reports = reports or {}
+        self._error = error
+        self.output = output
+        self.partial = partial or {}  # what the ranks had reported when a failed launch ended
+
+    def _check(self) -> None:
+        if isinstance(self._error, Unsolved):
+            raise Unsolved(str(self._error))
+        if self._error is not None:
+            raise RankFailure(str(self._error)) from None
+
+    def __getitem__(self, rank: int) -> dict:
+        self._check()
+        return self._reports[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        self._check()
+        return iter(self._reports)
+
+    def __len__(self) -> int:
+        self._check()
+        return len(self._reports)
+
+    @property
+    def rank0(self) -> dict:
+        return self[0]
+
+
+def launch_ranks(script: str | os.PathLike, *args: Any, nproc: int = 2,
+                 timeout: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
+                 needs: Iterable[Any] = (), torchrun_args: Iterable[str] = ()) -> Ranks:
+    """Launch `script args` on `nproc` ranks once; see the module docstring. `torchrun_args`
+    go to torchrun itself (e.g. ["--max-restarts=1"])."""
+    from helpers.launch import LaunchError, launch  # torch: only when something is launched
+
+    for exercise in needs:
+        message = stub_message(exercise)
+        if message:
+            return Ranks(None, Unsolved(message))
+    try:
+        # Ranks forked from torchrun: no torch import per rank (helpers/launch/torchrun.py); a restarting
+        # launch (torchrun_args) keeps torchrun's default.
+        result = launch(script, *map(str, args), nproc=nproc, timeout=timeout, env=env, stream=False,
+                        torchrun_args=list(torchrun_args), fork_ranks=not torchrun_args)
+    except LaunchError as err:
+        if err.rank is not None:
+            summary = f"rank {err.rank} raised {err.summary}"
+        else:
+            summary = err.summary
+        return Ranks(None, _as_error(summary, err), err.result.output if err.result else "",
+                     partial=err.result.results if err.result else None)
+    return Ranks(result.results, None, result.output)
+
+
+SHOWN_FRAMES = 4  # the innermost frames of a rank's traceback in the labs, shown under its error
+
+
+def _as_error(summary: str, err) -> BaseException:
+    """The stub's Unsolved, or a RankFailure whose first line names the rank, its exception and
+    where in the labs it was raised, followed by the last frames of its traceback in the labs."""
+    unsolved = Unsolved(summary.split("NotImplementedError: ", 1)[1]) \
+        if "NotImplementedError: Exercise " in summary else None
+    if unsolved:
+        return unsolved
+    message = f"{summary} (launch of {err.result.script if err.result else '?'})"
+    frames = getattr(err, "frames", [])[-SHOWN_FRAMES:]
+    if frames:
+        message += (f"\nrank {err.rank}'s traceback in the labs (innermost last):\n"
+                    + "\n".join(f"  {frame}" for frame in frames))
+    return RankFailure(message)
+
+
+def notebook_launches(name: str) -> contextlib.AbstractContextManager:
+    """Run notebook `name` ("03_ddp.ipynb") with its launches forking their ranks, if it may (the
+    kernel inherits the environment)."""
+    from helpers.launch.torchrun import FORK_RANKS_ENV
+
+    return mock.patch.dict(os.environ, {} if name in FRESH_NOTEBOOKS else {FORK_RANKS_ENV: "1"})
+
+
+class NotebookLaunches:
+    """nbmake's items live in notebooks/, where a conftest.py in tests/ has no hooks: a plugin."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        if item.path.suffix != ".ipynb":
+            yield
+            return
+        with notebook_launches(item.path.name):
+            yield
+
+
+def group_and_order(config, items) -> None:
+    """Under `pytest -n N --dist loadgroup` (./run.sh test), keep each test file on one worker, so
+    its module-scoped launch runs once; a test may pick its own group with
+    `@pytest.mark.xdist_group(name)` to run beside the rest of its file."""
+    # On xdist's workers (where this runs) the controller's --dist shows as the option loadgroup.
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    # Longest first, so no long test starts last and runs alone at the end: the student journey
+    # (check, submit, grade: minutes), then the notebooks of both editions (later notebooks run
+    # more and bigger launches), then the files with the most tests. run.sh passes
+    # --no-loadscope-reorder so that xdist hands the files out in this order.
+    groups = [item.get_closest_marker("xdist_group").args[0] for item in items]
+    sizes = {group: groups.count(group) for group in set(groups)}
+
+    def rank(pair) -> tuple:
+        item, group = pair
+        notebook = re.search(r"(\d\d)_\w+\.ipynb", item.nodeid)
+        if group == "student-homework":
+            return (0,)
+        if notebook:
+            return (1, -int(notebook.group(1)))
+        return (2, -sizes[group], group)
+    items[:] = [item for item, _ in sorted(zip(items, groups), key=rank)]
