@@ -41,6 +41,7 @@ from helpers.accounting import held_bytes
 from helpers.comm_count import RING_SHARE
 from helpers.dist import DistContext, distributed, synchronize
 from helpers.tensors import divide
+from labs.lab12_checkpoint import checkpoint_report, one_process_model, save
 from labs.lab12_model import (LMConfig, batch_at, build_model, canonical_name, corpus, default_config,
                               lm_loss, parameter_count, split, train_reference)
 from labs.lab12_parallelize import (MESH_DIMS, clip_grad_norm_, make_mesh, mesh_shape, parallelize,
@@ -483,8 +484,6 @@ def run(ctx: DistContext, *, steps: int, check_steps: int, eval_every: int, shap
     out["step_s"] = statistics.median(timed)
     out["tokens_per_s"] = config.batch * config.seq / out["step_s"]
     if ckpt_dir is not None:
-        from labs.lab12_checkpoint import checkpoint_report, one_process_model, save
-
         folder = save(trainer, Path(ckpt_dir), steps)
         out["checkpoint"] = checkpoint_report(folder, ctx, trainer)
         if ctx.rank == 0:

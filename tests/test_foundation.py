@@ -477,9 +477,21 @@ def test_committed_notebooks_carry_no_outputs():
 
 
 def test_every_lab_documents_how_to_run_it():
+    """A lab's docstring says how to run it; a file without a __main__ block (./run.sh NN does
+    not launch it) says it is a library of its lab, and ./run.sh NN leaves it out."""
+    from helpers.launch.cli import discover_labs
+
+    launched = set(discover_labs())
     for lab in sorted((REPO_ROOT / "labs").glob("lab[0-9][0-9]_*.py")):
-        doc = lab.read_text().split('"""')[1]
-        assert "./run.sh" in doc, f"{lab.name}: its docstring should say how to run it"
+        text = lab.read_text()
+        doc = text.split('"""')[1]
+        if "__main__" in text:
+            assert "./run.sh" in doc, f"{lab.name}: its docstring should say how to run it"
+            assert lab in launched, f"./run.sh {lab.name[3:5]} does not launch {lab.name}"
+        else:
+            assert "library" in doc, (f"{lab.name} has no __main__ block, so ./run.sh {lab.name[3:5]} "
+                                      "does not launch it: its docstring should say it is a library of its lab")
+            assert lab not in launched, f"./run.sh {lab.name[3:5]} would launch {lab.name}, which has no main"
 
 
 def test_readme_is_a_students_page_with_the_settings_table_from_config():

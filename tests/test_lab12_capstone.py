@@ -2,7 +2,7 @@
 pipeline split, the FLOP count, the timeline parser (in this process), and the labs' runs end to
 end in one launch on 4 ranks:
 
-- labs/lab12_checkpoint.py: a rank SIGKILLs itself mid-run, torchrun (--max-restarts=1) restarts
+- labs/lab12_resume.py: a rank SIGKILLs itself mid-run, torchrun (--max-restarts=1) restarts
   the group, training resumes from the last DCP checkpoint, recomputes the lost steps with the same
   losses and continues those of an uninterrupted run (one process); the checkpoint is reloaded on
   another mesh and in one process, whose next losses equal the run's;
@@ -251,17 +251,17 @@ def test_trace_and_timeline(run):
 # ---------------------------------------------------------------------------------------- worker
 def worker(folder: Path) -> None:
     from helpers.dist import distributed
-    from labs import lab12_checkpoint as ck
+    from labs import lab12_checkpoint as ck, lab12_resume as resume
     from labs import lab12_trace, lab12_train
 
     cfg = config()
     with distributed() as ctx:
-        result = ck.train_with_restarts(ctx, cfg, PIPELINE, STEPS, CKPT_EVERY, folder / "ft", KILL_RANK, KILL_AT)
+        result = resume.train_with_restarts(ctx, cfg, PIPELINE, STEPS, CKPT_EVERY, folder / "ft", KILL_RANK, KILL_AT)
         trainer = result.pop("trainer")
         report = {"attempt": result["attempt"],
                   "checkpoint": ck.checkpoint_report(ck.latest(folder / "ft")[1], ctx, trainer)}
         del trainer
-        report["reshard"] = ck.reshard_check(ctx, cfg, folder / "ft", 4, result["losses"], [GRID])
+        report["reshard"] = resume.reshard_check(ctx, cfg, folder / "ft", 4, result["losses"], [GRID])
         train = lab12_train.run(ctx, steps=3, check_steps=2, eval_every=2, shape=GRID, config=cfg,
                                 ckpt_dir=folder / "train", sample_bytes=12, eval_batches=2)
         train.pop("stage_params", None)

@@ -19,8 +19,9 @@ from helpers.launch.torchrun import (REPO_ROOT, LaunchError, LaunchResult, defau
 from helpers.show import table
 
 def discover_labs(selection: str | None = None) -> list[Path]:
-    """labs/labNN_*.py in order; `selection` "NN" (or "N") keeps one lab number's files."""
-    labs = sorted((REPO_ROOT / "labs").glob("lab[0-9][0-9]_*.py"))
+    """labs/labNN_*.py in order; `selection` "NN" (or "N") keeps one lab number's files. A file
+    without a `__main__` block is a library of its lab (e.g. lab12_checkpoint.py): not launched."""
+    labs = sorted(p for p in (REPO_ROOT / "labs").glob("lab[0-9][0-9]_*.py") if "__main__" in p.read_text())
     if selection is None:
         return labs
     if not re.fullmatch(r"\d{1,2}", selection):
