@@ -36,7 +36,8 @@ from helpers.show import table
 from helpers.tensors import divide, seeded
 from labs.lab06_schedules import (SCHEDULES, Action, TimedAction, bubble_formula,  # noqa: F401
                                   bubble_fraction, bubble_ratio, gpipe_schedule, make_schedule,
-                                  makespan, mean_durations, one_f_one_b_schedule, simulate_schedule)
+                                  makespan, mean_durations, one_f_one_b_schedule, simulate_schedule,
+                                  stage_mean_durations)
 
 
 # --------------------------------------------------------------------------- the model and data
@@ -380,7 +381,7 @@ def measure_schedule(config: PipeConfig, schedule_name: str, *, rank: int, world
         bubbles = [bubble_fraction(t) for t in timelines]
         median = timelines[sorted(range(len(bubbles)), key=bubbles.__getitem__)[len(bubbles) // 2]]
         seconds = mean_durations(median)
-        simulated = simulate_schedule(schedule, seconds["F"], seconds["B"])
+        simulated = simulate_schedule(schedule, stage_durations=stage_mean_durations(median))
         out.update(bubble=bubble_fraction(median), bubbles=bubbles, ratio=bubble_ratio(median),
                    forward_seconds=seconds["F"], backward_seconds=seconds["B"],
                    span_seconds=makespan(median), simulated_bubble=bubble_fraction(simulated),

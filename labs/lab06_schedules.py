@@ -134,14 +134,19 @@ def _dependencies(kind: str, stage: int, microbatch: int, num_stages: int) -> li
 
 
 def simulate_schedule(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 1.0,
-                      *, durations: dict[str, float] | None = None) -> list[list[TimedAction]]:
+                      *, durations: dict[str, float] | None = None,
+                      stage_durations: list[dict[str, float]] | None = None) -> list[list[TimedAction]]:
     """Replay `schedule`: each stage runs its actions in order, each as soon as its inputs exist.
 
     Pure function, no processes; communication takes no time. An action of kind k lasts
-    `durations[k]` (default: F forward_time, B backward_time). Raises ScheduleDeadlock when some
+    `durations[k]` (default: F forward_time, B backward_time), on stage s `stage_durations[s][k]`
+    where given (e.g. each stage's measured times: with equal stages the bubble is the formula's
+    whatever the times, so only unequal stages can move it). Raises ScheduleDeadlock when some
     stage can never make progress (e.g. a backward listed before its own forward).
     """
-    duration = {"F": forward_time, "B": backward_time, **(durations or {})}
+    same = {"F": forward_time, "B": backward_time, **(durations or {})}
+    per_stage = [{**same, **((stage_durations or [])[s] if s < len(stage_durations or []) else {})}
+                 for s in range(len(schedule))]
     num_stages = len(schedule)
     finished: dict[tuple, float] = {}        # (kind, stage, microbatch) -> end time
     position = [0] * num_stages
@@ -156,7 +161,7 @@ def simulate_schedule(schedule: Schedule, forward_time: float = 1.0, backward_ti
                 if any(dep not in finished for dep in deps):
                     break
                 start = max([stage_free[stage]] + [finished[dep] for dep in deps])
-                end = start + duration[kind]
+                end = start + per_stage[stage][kind]
                 finished[(kind, stage, microbatch)] = end
                 stage_free[stage] = end
                 timeline[stage].append(TimedAction(stage, kind, microbatch, start, end))
@@ -265,6 +270,11 @@ def mean_durations(timeline: list[list[TimedAction]]) -> dict[str, float]:
         for a in stage:
             spans.setdefault(a.kind, []).append(a.end - a.start)
     return {kind: sum(v) / len(v) for kind, v in spans.items()}
+
+
+def stage_mean_durations(timeline: list[list[TimedAction]]) -> list[dict[str, float]]:
+    """Per stage, the mean duration of each kind of action (each stage's measured F and B)."""
+    return [mean_durations([stage]) for stage in timeline]
 
 
 def makespan(timeline: list[list[TimedAction]]) -> float:

@@ -83,6 +83,19 @@ def test_timeline_from_report_and_measured_durations():
     assert sched.mean_durations(timeline) == {"F": 1.0, "B": 1.5}
     assert sched.bubble_ratio(timeline) == pytest.approx((2 * 5.0 - 5.0) / 5.0)
 
+    assert sched.stage_mean_durations(timeline) == [{"F": 1.0, "B": 2.0}, {"F": 1.0, "B": 1.0}]
+
+
+def test_replay_with_each_stages_times_shows_unequal_stages():
+    """With equal stages the replayed bubble is the formula's whatever the F and B times (so a replay
+    with one mean F and B for every stage could never differ from it); a slower last stage raises it."""
+    schedule = sched.make_schedule("GPipe", 4, 8)
+    formula = sched.bubble_formula(4, 8)
+    for f, b in ((1.0, 2.0), (0.3, 0.7)):
+        equal = sched.simulate_schedule(schedule, stage_durations=[{"F": f, "B": b}] * 4)
+        assert sched.bubble_fraction(equal) == pytest.approx(formula)
+    slow_last = [{"F": 1.0, "B": 2.0}] * 3 + [{"F": 1.5, "B": 3.0}]
+    assert sched.bubble_fraction(sched.simulate_schedule(schedule, stage_durations=slow_last)) > formula + 0.05
 
 BAD_SCHEDULES = {
     "missing backward": ([[(F, 0), (F, 1), (B, 0)]], 2),
@@ -233,11 +246,11 @@ def test_lab_timelines_follow_the_schedule(lab_run):
         assert 0.0 <= result["bubble"] < 1.0
         assert result["bubble"] == pytest.approx(sched.bubble_fraction(timeline))
         assert result["ratio"] == pytest.approx(sched.bubble_ratio(timeline))
-        # the same schedule replayed with the measured mean F and B times, messages free
+        # the same schedule replayed with each stage's measured mean F and B times, messages free
         seconds = sched.mean_durations(timeline)
         assert (result["forward_seconds"], result["backward_seconds"]) == pytest.approx(
             (seconds["F"], seconds["B"]))
-        replay = sched.simulate_schedule(schedule, seconds["F"], seconds["B"])
+        replay = sched.simulate_schedule(schedule, stage_durations=sched.stage_mean_durations(timeline))
         assert result["simulated_bubble"] == pytest.approx(sched.bubble_fraction(replay))
         assert result["simulated_span_seconds"] == pytest.approx(sched.makespan(replay))
         assert result["span_seconds"] == pytest.approx(sched.makespan(timeline))
