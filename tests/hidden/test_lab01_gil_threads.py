@@ -2,22 +2,20 @@
 runs up to `workers` items at the same time in threads of this process and "process" in other
 processes, with other worker counts than the public tests. Barriers prove concurrency without
 timing anything: they only open when `workers` items wait at the same time (the timeouts are there
-so a wrong answer fails instead of hanging).
+so a wrong answer fails instead of hanging); the barrier runs are the public tests'
+(`meet_in_threads`, `meet_in_processes`).
 """
-import multiprocessing
-import operator
 import os
 import threading
-import time
 
 import pytest
 
 from labs.lab01_gil_threads import (
     KINDS, io_work, matmul_work, parallel_map, python_work, tiny_ops_work, where_am_i,
 )
+from tests.public.test_lab01_gil_threads import meet_in_processes, meet_in_threads
 
 pytestmark = pytest.mark.exercise("parallel_map")
-WAIT_S = 10  # barrier timeout: generous, only a broken solution reaches it
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -107,26 +105,12 @@ def test_threads_run_in_this_process_off_the_calling_thread():
 @pytest.mark.parametrize("workers", [3, 4])
 def test_threads_run_workers_items_at_once_and_no_more(workers):
     """kind="thread" runs exactly `workers` items at the same time, never more, for other worker counts."""
-    barrier = threading.Barrier(workers, timeout=WAIT_S)  # opens only when `workers` items wait
-    lock = threading.Lock()
-    running, peak = [0], [0]
-
-    def item_fn(item):
-        with lock:
-            running[0] += 1
-            peak[0] = max(peak[0], running[0])
-        barrier.wait()
-        time.sleep(0.02)  # give a surplus thread, if any, the chance to show up
-        with lock:
-            running[0] -= 1
-        return item * 10
-
     try:
-        results = parallel_map(item_fn, range(2 * workers), workers, "thread")
+        results, peak = meet_in_threads(workers)
     except threading.BrokenBarrierError:
         pytest.fail(f'kind="thread" never ran {workers} items at the same time')
-    assert results == [i * 10 for i in range(2 * workers)], "results differ or out of order"
-    assert peak[0] == workers, f"{peak[0]} items ran at once with workers={workers}"
+    assert [r[0] for r in results] == list(range(2 * workers)), "results differ or out of order"
+    assert peak == workers, f"{peak} items ran at once with workers={workers}"
 
 
 def test_processes_run_in_other_processes():
@@ -141,13 +125,8 @@ def test_processes_run_in_other_processes():
 @pytest.mark.points(2)
 def test_three_processes_run_three_items_at_once():
     """kind="process" with more workers really runs `workers` items at the same time."""
-    # A Barrier(3) served by a manager process: wait() returns only when three workers wait on it
-    # at the same time. operator.methodcaller and the proxy are picklable.
-    with multiprocessing.Manager() as manager:
-        barrier = manager.Barrier(3, timeout=WAIT_S)
-        wait = operator.methodcaller("wait")
-        try:
-            got = sorted(parallel_map(wait, [barrier] * 3, 3, "process"))
-        except threading.BrokenBarrierError:
-            pytest.fail('kind="process" never ran 3 items at the same time with workers=3')
-        assert got == [0, 1, 2], "Barrier.wait returns a distinct index per waiting process"
+    try:
+        got = sorted(meet_in_processes(3))
+    except threading.BrokenBarrierError:
+        pytest.fail('kind="process" never ran 3 items at the same time with workers=3')
+    assert got == [0, 1, 2], "Barrier.wait returns a distinct index per waiting process"

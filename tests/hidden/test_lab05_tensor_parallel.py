@@ -4,26 +4,23 @@ group that is not the world (ranks {0, 1} and {2} as two separate tensor-paralle
 Transformer block with attention heads split across ranks.
 
 One launch on 3 ranks runs every case (this file is also the worker); float64, TOL = 1e-9 (a
-correct implementation differs by summation order, ~1e-15).
+correct implementation differs by summation order, ~1e-15). Reading the reports, comparing with
+the dense model and training side by side are the public tests' (tests/public/test_lab05_tensor_parallel.py).
 """
 from __future__ import annotations
-
-import traceback
 
 import pytest
 
 import labs.lab05_tensor_parallel as lab
-from helpers.notice import Unsolved, stub_message
+from helpers.notice import stub_message
 from tests.harness import launch_ranks
+from tests.public.test_lab05_tensor_parallel import (BACKWARDS, F_G, GATHER, TOL, assert_matches_dense,
+                                                     case, mlp_report, run_each, training_report)
 
-TOL = 1e-9
 NPROC = 3
 BATCH, SEQ, D_MODEL, D_FF, STEPS = 3, 5, 6, 21, 5   # d_ff / 3 = 7 columns per rank
 SUBGROUP_D_FF = 14                                  # split over the groups {0, 1} and {2}
 HEADS, HEAD_DIM, BLOCK_FF = 6, 2, 12                # 2 heads per rank
-F_G = [lab.CopyToTensorParallelRegion.backward, lab.ReduceFromTensorParallelRegion.backward]
-GATHER = [lab.GatherFromTensorParallelRegion.backward, lab.CopyToTensorParallelRegion.backward]
-BACKWARDS = F_G + GATHER[:1]
 
 
 @pytest.fixture(scope="module")
@@ -34,34 +31,12 @@ def results():
                         needs=BACKWARDS if all_stubs else [])
 
 
-def case(results, name, needs):
-    for backward in needs:
-        message = stub_message(backward)
-        if message:
-            raise Unsolved(message)
-    reports = [results[rank][name] for rank in range(NPROC)]
-    for rank, rep in enumerate(reports):
-        if "error" in rep:  # "rank R raised <last line>", as helpers.launch words a failed rank
-            last = rep["error"].strip().splitlines()[-1]
-            pytest.fail(f"rank {rank} raised {last}\n(case {name!r}; traceback below)\n{rep['error']}")
-    return reports
-
-
-def assert_matches_dense(reports, what):
-    for rank, rep in enumerate(reports):
-        d = rep["diffs"]
-        assert d["output"] < TOL, f"{what}, rank {rank}: output off by {d['output']:.2e}"
-        assert d["input_grad"] < TOL, f"{what}, rank {rank}: input gradient off by {d['input_grad']:.2e}"
-        for name, diff in {**d["grads"], **{f"{k} after steps": v for k, v in d["params_after_steps"].items()}}.items():
-            assert diff < TOL, f"{what}, rank {rank}: {name} off by {diff:.2e}"
-
-
 @pytest.mark.exercise("f_g_backward")
 @pytest.mark.points(2)
 def test_megatron_mlp_three_ranks_odd_chunks(results):
     """Megatron MLP on another world size, non-contiguous input: trains like dense, expected collectives."""
     reports = case(results, "megatron", F_G)
-    assert_matches_dense(reports, "Megatron MLP, 3 ranks, non-contiguous input")
+    assert_matches_dense(reports, "Megatron MLP, 3 ranks, non-contiguous input: ", STEPS)
     shape = [SEQ, BATCH, D_MODEL]  # the input was transposed
     for rep in reports:
         assert rep["calls"] == [["forward", "all_reduce", shape], ["backward", "all_reduce", shape]], (
@@ -73,7 +48,7 @@ def test_megatron_mlp_three_ranks_odd_chunks(results):
 def test_allgather_mlp_three_ranks(results):
     """All-gather MLP on another world size trains like the dense MLP, only the expected collectives."""
     reports = case(results, "allgather", GATHER)
-    assert_matches_dense(reports, "all-gather MLP, 3 ranks")
+    assert_matches_dense(reports, "all-gather MLP, 3 ranks: ", STEPS)
     for rep in reports:
         assert rep["calls"] == [["forward", "all_gather", [SEQ, BATCH, D_FF]],
                                 ["forward", "all_gather", [SEQ, BATCH, D_MODEL]],
@@ -90,14 +65,14 @@ def test_backward_uses_the_layers_group(results):
     instead of ctx.group mixes the two models' gradients."""
     reports = case(results, "subgroup_megatron", F_G)
     assert [rep["group_size"] for rep in reports] == [2, 2, 1]
-    assert_matches_dense(reports, "Megatron MLP on a sub-group")
+    assert_matches_dense(reports, "Megatron MLP on a sub-group: ", STEPS)
 
 
 @pytest.mark.exercise("gather_backward")
 def test_gather_backward_uses_the_rank_in_the_group(results):
     """All-gather MLP on groups whose ranks differ from the global ranks trains like dense."""
     reports = case(results, "subgroup_allgather", GATHER)
-    assert_matches_dense(reports, "all-gather MLP on a sub-group")
+    assert_matches_dense(reports, "all-gather MLP on a sub-group: ", STEPS)
 
 
 @pytest.mark.exercise("f_g_backward")
@@ -122,7 +97,7 @@ def test_gather_backward_middle_rank(results):
 def test_transformer_block_trains_like_dense(results):
     """A Transformer block with its heads split over the ranks trains like the dense block."""
     reports = case(results, "block", F_G)
-    assert_matches_dense(reports, "Transformer block (2 heads per rank)")
+    assert_matches_dense(reports, "Transformer block (2 heads per rank): ", STEPS)
     for rep in reports:
         assert [c[:2] for c in rep["calls"]] == [["forward", "all_reduce"]] * 2 + [["backward", "all_reduce"]] * 2
         losses_dense, losses_tp = rep["diffs"]["losses_dense"], rep["diffs"]["losses_parallel"]
@@ -149,14 +124,8 @@ def worker_cases(ctx) -> dict:
         return x.transpose(0, 1), target.transpose(0, 1)
 
     def mlp_case(scheme, group, d_ff=D_FF):
-        log = lab.CommLog()
-        parallel = lab.SCHEMES[scheme](lab.dense_mlp(D_MODEL, d_ff, seed=4, dtype=dtype, device=ctx.device),
-                                       group, log)
         x, target = transposed_batch(5)
-        calls = lab.step_collectives(parallel, log, x)
-        diffs = lab.compare_training(lab.dense_mlp(D_MODEL, d_ff, seed=4, dtype=dtype, device=ctx.device),
-                                     parallel, x, target, steps=STEPS)
-        return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls],
+        return {**mlp_report(scheme, group, x, target, d_ff, STEPS, seed=4),
                 "group_size": dist.get_world_size(group)}
 
     def gather_case():
@@ -188,9 +157,7 @@ def worker_cases(ctx) -> dict:
         dense = block_lab.dense_block(HEADS * HEAD_DIM, HEADS, BLOCK_FF, seed=7, dtype=dtype, device=ctx.device)
         parallel = block_lab.tensor_parallel_block(dense, None, log)
         x, target = lab.sample_batch(2, 4, HEADS * HEAD_DIM, seed=8, dtype=dtype, device=ctx.device)
-        calls = lab.step_collectives(parallel, log, x)
-        diffs = lab.compare_training(dense, parallel, x, target, steps=STEPS, lr=0.1)
-        return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls]}
+        return training_report(dense, parallel, log, x, target, STEPS, lr=0.1)
 
     cases = {
         "megatron": lambda: mlp_case("megatron", None),
@@ -201,14 +168,7 @@ def worker_cases(ctx) -> dict:
         "f_skip": f_skip_case,
         "block": block_case,
     }
-    out = {}
-    for name, fn in cases.items():
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = {"error": traceback.format_exc(limit=-3)}
-        dist.barrier()  # a rank that failed early waits here instead of running ahead
-    return out
+    return run_each(cases)
 
 
 if __name__ == "__main__":

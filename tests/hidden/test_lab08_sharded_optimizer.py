@@ -24,12 +24,12 @@ import torch.nn.functional as F
 
 from labs.lab08_sharded_optimizer import ShardedOptimizer
 from tests.harness import launch_ranks
-from tests.public.test_lab08_sharded_optimizer import (BROADCAST_HINT, NEEDS, case_reports,
+from tests.public.test_lab08_sharded_optimizer import (BROADCAST_HINT, NEEDS, StepLR, case_reports,
                                                        check_numbers, check_owner_rule,
                                                        check_state_is_sharded, check_stretch_bytes,
-                                                       check_stretch_gradients, make_batches,
-                                                       make_mlp, run_cases, stretch_reports,
-                                                       train_pair)
+                                                       check_stretch_gradients, lm_loss, make_batches,
+                                                       make_mlp, run_cases, seeded_linear,
+                                                       stretch_reports, token_batches, train_pair)
 
 pytestmark = pytest.mark.exercise("ShardedOptimizer")
 ROWS = 24  # divisible by 3 and by 4 ranks
@@ -52,17 +52,6 @@ class TiedLM(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx (B, T) -> logits (B, T, vocab)
         return self.out(torch.tanh(self.hidden(self.embed(idx))))
-
-
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)  # (B, T, V)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
-def lm_batches(steps: int, seed: int = 0, vocab: int = 40) -> list:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(vocab, (ROWS, 6), generator=g), torch.randint(vocab, (ROWS, 6), generator=g))
-            for _ in range(steps)]
 
 
 class Uneven(nn.Module):
@@ -103,24 +92,6 @@ def tied_groups(model: TiedLM) -> list[dict]:
     return [{"params": [model.embed.weight, model.hidden.weight], "weight_decay": 0.1,
              "betas": (0.8, 0.95)},
             {"params": [model.hidden.bias, model.out.bias], "lr": 0.03, "weight_decay": 0.0}]
-
-
-class Scheduled:
-    """StepLR(gamma=0.5) on both optimizers: what changes is the lr in the wrapper's param_groups."""
-
-    def __call__(self, step, sharded, reference, model_s, model_r):
-        if step == 0:
-            self.schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
-                               for o in (sharded, reference)]
-        else:
-            for scheduler in self.schedulers:
-                scheduler.step()
-
-
-def seeded_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.Linear(in_features, out_features)
 
 
 def join_later(step, sharded, reference, model_s, model_r):
@@ -176,18 +147,18 @@ def closure_case() -> dict:
 
 CASES = {
     "adamw groups, tied weights": lambda: train_pair(
-        TiedLM(seed=1), tied_groups, torch.optim.AdamW, {"lr": 0.01}, lm_batches(STEPS, seed=2),
+        TiedLM(seed=1), tied_groups, torch.optim.AdamW, {"lr": 0.01}, token_batches(STEPS, ROWS, 6, vocab=40, seed=2),
         loss_fn=lm_loss,
         misreadings={"groups at the defaults": dict(params_of=lambda m: list(m.parameters()))}),
     "sgd nesterov, uneven sizes": lambda: train_pair(
         Uneven(seed=3), lambda m: list(m.parameters()), torch.optim.SGD,
         {"lr": 0.05, "momentum": 0.9, "nesterov": True}, make_batches(STEPS, ROWS, 8, 1, seed=4)),
     "fewer parameters than ranks": lambda: train_pair(
-        seeded_linear(6, 1, seed=16), lambda m: list(m.parameters()), torch.optim.Adam, {"lr": 0.05},
+        seeded_linear(6, 1, seed=16, bias=True), lambda m: list(m.parameters()), torch.optim.Adam, {"lr": 0.05},
         make_batches(STEPS, ROWS, 6, 1, seed=5)),
     "lr scheduler": lambda: train_pair(
         make_mlp(seed=6), lambda m: list(m.parameters()), torch.optim.Adam, {"lr": 0.02},
-        make_batches(STEPS, ROWS, 16, seed=7), on_step=Scheduled(),
+        make_batches(STEPS, ROWS, 16, seed=7), on_step=StepLR(),
         misreadings={"lr never changed": {}}),
     "frozen and unused": lambda: train_pair(
         FrozenAndUnused(seed=8), lambda m: list(m.parameters()), torch.optim.Adam, {"lr": 0.02},

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from tests.harness import launch_ranks
-from tests.public.test_lab10_debugging import (HINTS, Model, expected, misdiagnosed, missed, run_case,
-                                               wrong_field)
+from tests.public.test_lab10_debugging import (HINTS, Model, assert_diagnosed, expected, missed,
+                                               run_case, wrong_field)
 
 NPROC = 4
 SUBGROUP = [0, 2]
@@ -133,16 +133,7 @@ def test_find_divergence_hidden_cases(ranks, name):
 @pytest.mark.parametrize("bug", sorted(HINTS))
 def test_diagnose_on_other_jobs(ranks, bug):
     """diagnose names the planted bug of jobs on 2 to 4 ranks, in forms the public tests do not show."""
-    from helpers.mystery_jobs import outputs_from_dict
-    from labs.lab10_diagnose import diagnose
-
-    jobs, outputs = ranks[0]["job_list"], ranks[0]["jobs"]
-    for (planted, seed, _), out in zip(jobs, outputs):
-        if planted != bug or seed in dict(RANDOM_JOBS):
-            continue
-        job = outputs_from_dict(out)
-        said = diagnose(job)
-        assert said == bug, misdiagnosed(bug, said, seed, job)
+    assert_diagnosed(bug, ranks[0]["job_list"], ranks[0]["jobs"], skip_seeds=dict(RANDOM_JOBS))
 
 
 @pytest.mark.exercise("diagnose")

@@ -22,7 +22,7 @@ from helpers.notice import stub_message
 from labs.lab12_parallelize import clip_grad_norm_, parallelize
 from tests.harness import launch_ranks
 from tests.public.test_lab12_parallelize import (BF16_LOSS_RTOL, LOSS_RTOL, PARAM_ATOL, case, clip,
-                                                 run_worker)
+                                                 kept_next_to, not_in_bf16, run_worker)
 
 NPROC = 4
 WIDER = {"dim": 64, "heads": 8, "layers": 3, "ffn": 96}
@@ -153,14 +153,11 @@ def test_collectives_by_dimension(results, name):
 @pytest.mark.exercise("parallelize")
 def test_options_together(results):
     """Checkpointing with bf16 parameters: far fewer bytes kept for the backward, bf16 compute."""
-    plain = {rep["rank"]: rep["saved_bytes"] for rep in case(results, "wider")}
-    for rep in case(results, "wider, all options"):
+    for rep, plain in kept_next_to(results, "wider, all options", "wider"):
         # bf16 alone halves what is kept; checkpointing keeps only the blocks' inputs
-        assert rep["saved_bytes"] < 0.25 * plain[rep["rank"]], (
-            f"rank {rep['rank']}: kept {rep['saved_bytes']} bytes for the backward, {plain[rep['rank']]} "
-            "without the options")
-        wrong = {n: d for n, d in rep["linear_dtypes"].items() if d[1] != "bfloat16"}
-        assert not wrong, f"rank {rep['rank']}: layers computed with {wrong}"
+        assert rep["saved_bytes"] < 0.25 * plain, (
+            f"rank {rep['rank']}: kept {rep['saved_bytes']} bytes for the backward, {plain} without the options")
+        assert not not_in_bf16(rep), f"rank {rep['rank']}: layers computed with {not_in_bf16(rep)}"
 
 
 # --------------------------------------------------------------------------- clip_grad_norm_

@@ -79,12 +79,11 @@ def test_workers_below_one_raise_value_error(kind):
                     ">= 1) for every kind, before any work starts")
 
 
-def test_threads_run_items_at_the_same_time_in_this_process():
-    """kind="thread" runs `workers` items at the same time, in worker threads of this process."""
-    workers = 2
-    where = parallel_map(where_am_i, range(4), workers, "thread")  # (item, pid, thread name)
-    assert {r[1] for r in where} == {os.getpid()}, (
-        'kind="thread" ran items in another process: threads live in the calling process')
+def meet_in_threads(workers: int) -> tuple[list, int]:
+    """parallel_map(kind="thread") over 2 * workers items that each wait at a Barrier(workers),
+    which opens only when `workers` items wait at the same time: the results, (item, pid, thread
+    id) each, and the most items that ran at once. Raises threading.BrokenBarrierError (after
+    WAIT_S) when fewer than `workers` items ever run together."""
     barrier = threading.Barrier(workers, timeout=WAIT_S)
     lock = threading.Lock()
     running, peak = [0], [0]
@@ -99,16 +98,36 @@ def test_threads_run_items_at_the_same_time_in_this_process():
             running[0] -= 1
         return item, os.getpid(), threading.get_ident()
 
+    return parallel_map(meet, range(2 * workers), workers, "thread"), peak[0]
+
+
+def meet_in_processes(workers: int) -> list:
+    """parallel_map(kind="process") over `workers` items that each wait at a Barrier(workers)
+    served by a manager process (wait() returns only when `workers` processes wait on it at the
+    same time; operator.methodcaller and the proxy are picklable): what each wait returned, a
+    distinct index per waiting process. Raises threading.BrokenBarrierError (after WAIT_S) when
+    they never wait together."""
+    with multiprocessing.Manager() as manager:
+        barrier = manager.Barrier(workers, timeout=WAIT_S)
+        return parallel_map(operator.methodcaller("wait"), [barrier] * workers, workers, "process")
+
+
+def test_threads_run_items_at_the_same_time_in_this_process():
+    """kind="thread" runs `workers` items at the same time, in worker threads of this process."""
+    workers = 2
+    where = parallel_map(where_am_i, range(4), workers, "thread")  # (item, pid, thread name)
+    assert {r[1] for r in where} == {os.getpid()}, (
+        'kind="thread" ran items in another process: threads live in the calling process')
     try:
-        results = parallel_map(meet, range(2 * workers), workers, "thread")
+        results, peak = meet_in_threads(workers)
     except threading.BrokenBarrierError:
         pytest.fail(f'kind="thread" with {workers} workers never ran {workers} items at the same '
                     "time (they ran one after another): run them in a pool of threads")
     assert [r[0] for r in results] == list(range(2 * workers)), "results out of order"
     assert threading.get_ident() not in {r[2] for r in results}, (
         'kind="thread" ran items in the calling thread: start worker threads')
-    assert peak[0] == workers, (
-        f'kind="thread" with workers={workers} ran {peak[0]} items at once: use exactly `workers` '
+    assert peak == workers, (
+        f'kind="thread" with workers={workers} ran {peak} items at once: use exactly `workers` '
         "threads")
 
 
@@ -122,12 +141,8 @@ def test_processes_run_items_at_the_same_time_in_other_processes():
         'kind="process" ran items in this process: use a pool of worker processes '
         "(process_pool(workers))")
     assert len(pids) <= workers, f'kind="process" used {len(pids)} processes for workers={workers}'
-    # A Barrier(2) served by a manager process: wait() returns only when two workers wait on it
-    # at the same time. operator.methodcaller and the proxy are picklable.
-    with multiprocessing.Manager() as manager:
-        barrier = manager.Barrier(workers, timeout=WAIT_S)
-        try:
-            parallel_map(operator.methodcaller("wait"), [barrier] * workers, workers, "process")
-        except threading.BrokenBarrierError:
-            pytest.fail(f'kind="process" with {workers} workers never ran {workers} items at the '
-                        "same time (they ran one after another)")
+    try:
+        meet_in_processes(workers)
+    except threading.BrokenBarrierError:
+        pytest.fail(f'kind="process" with {workers} workers never ran {workers} items at the '
+                    "same time (they ran one after another)")

@@ -372,10 +372,12 @@ class HoldBack:
         return f"hold/{self.tag}/{self.step}"
 
 
-def train_against_reference(ctx, ddp, model, reference, state, arrivals, steps: int, sizes,
-                            local_batch_size: int, hold: HoldBack | None = None) -> dict:
-    """`steps` SGD steps of `ddp` on this rank's shard next to one process on the global batch;
-    what each step launched, waited on and sent, and how far the gradients are from one process."""
+def train_against_reference(ddp, model, reference, rank: int, world_size: int, steps: int, sizes,
+                            local_batch_size: int, state: dict | None = None, arrivals: list | None = None,
+                            hold: HoldBack | None = None) -> dict:
+    """`steps` SGD steps of `ddp` on shard `rank` of `world_size` (ranks of ddp's group) next to
+    one process on the global batch; what each step launched, waited on and sent, and how far the
+    gradients are from one process. `state` and `arrivals` come from `observe_arrivals`."""
     from labs.lab03_ddp import flat_grads, flat_params, global_batch, local_shard
 
     out = {k: [] for k in ("grad_diffs", "grad_scales", "grad_norm_ratios", "collectives_per_step",
@@ -384,20 +386,21 @@ def train_against_reference(ctx, ddp, model, reference, state, arrivals, steps: 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
-        x, y = global_batch(step, local_batch_size * ctx.world_size, sizes[0], sizes[-1])
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(ddp(local_shard(x, ctx.rank, ctx.world_size)),
-                                      local_shard(y, ctx.rank, ctx.world_size))
+        x, y = global_batch(step, local_batch_size * world_size, sizes[0], sizes[-1])
+        opt.zero_grad(set_to_none=True)  # .grad tensors are new each step
+        loss = nn.functional.mse_loss(ddp(local_shard(x, rank, world_size)), local_shard(y, rank, world_size))
         launched, waited, sent = ddp.comm.collectives, ddp.comm.waits, ddp.comm.bytes
         first = len(ddp.comm.launched_numels)
-        state["start"] = launched
-        arrivals.clear()
+        if state is not None:
+            state["start"] = launched
+            arrivals.clear()
         if hold is not None:
             hold.current_step = step
         loss.backward()
         if hold is not None:
-            hold.backward_returned(ctx.rank)
-        out["arrivals"].append(list(arrivals))
+            hold.backward_returned(rank)
+        if arrivals is not None:
+            out["arrivals"].append(list(arrivals))
         out["launched_during_backward"].append(ddp.comm.collectives - launched)
         out["waited_during_backward"].append(ddp.comm.waits - waited)
         ddp.finish_gradient_synchronization()
@@ -418,36 +421,44 @@ def train_against_reference(ctx, ddp, model, reference, state, arrivals, steps: 
     return out
 
 
-def bucketed_case(ctx) -> dict:
-    from labs.lab03_ddp import flat_params, make_mlp
+def wrap_and_train(model, reference, rank: int, world_size: int, bucket_cap_mb: float, steps: int,
+                   sizes, local_batch_size: int, group=None, hold: HoldBack | None = None) -> dict:
+    """Registers the observers (`observe_arrivals`, `hold` at the first gradient), wraps `model` in
+    BucketedDDP over `group` (rank `rank` of `world_size` in it) and trains it next to `reference`,
+    which starts from the group's first rank's initialisation: the buckets, how far the wrapped
+    model starts from the reference, and `train_against_reference`'s report."""
+    from labs.lab03_ddp import flat_params
 
-    model = make_mlp(SIZES, seed=100 + ctx.rank)  # a different initialisation on every rank
     state = {"ddp": None, "start": 0}
-    hold = HoldBack(HOLD_STEP, holder=1, waited_for=0, timeout_s=HOLD_TIMEOUT_S, tag="mlp")
-    arrivals = observe_arrivals(model, state, on_first=lambda: hold.on_first_gradient(ctx.rank))
-    ddp = state["ddp"] = BucketedDDP(model, bucket_cap_mb=BUCKET_CAP_MB)  # before wrapping: ours run first
-    reference = make_mlp(SIZES, seed=100)         # rank 0's initialisation, one process
+    on_first = None if hold is None else (lambda: hold.on_first_gradient(rank))
+    arrivals = observe_arrivals(model, state, on_first=on_first)
+    ddp = state["ddp"] = BucketedDDP(model, bucket_cap_mb=bucket_cap_mb, group=group)  # after: ours run first
+    params = list(model.parameters())
     out = {"max_init_diff_vs_rank0": (flat_params(model) - flat_params(reference)).abs().max().item(),
-           "num_buckets": len(ddp.buckets), "num_params": len(list(model.parameters())),
-           "param_bytes": sum(p.nbytes for p in model.parameters()),
-           "buckets": [b.param_indices for b in ddp.buckets], "world_size": ctx.world_size}
-    out.update(train_against_reference(ctx, ddp, model, reference, state, arrivals, STEPS, SIZES,
-                                       local_batch_size=8, hold=hold))
+           "num_buckets": len(ddp.buckets), "num_params": len(params),
+           "param_bytes": sum(p.nbytes for p in params), "world_size": world_size,
+           "buckets": [b.param_indices for b in ddp.buckets],
+           "bucket_numels": [sum(params[i].numel() for i in b.param_indices) for b in ddp.buckets]}
+    out.update(train_against_reference(ddp, model, reference, rank, world_size, steps, sizes,
+                                       local_batch_size, state=state, arrivals=arrivals, hold=hold))
+    out["collectives"] = ddp.comm.collectives
+    return out
+
+
+def bucketed_case(ctx) -> dict:
+    from labs.lab03_ddp import make_mlp
+
+    hold = HoldBack(HOLD_STEP, holder=1, waited_for=0, timeout_s=HOLD_TIMEOUT_S, tag="mlp")
+    out = wrap_and_train(make_mlp(SIZES, seed=100 + ctx.rank),  # a different initialisation on every rank
+                         make_mlp(SIZES, seed=100),             # rank 0's initialisation, one process
+                         ctx.rank, ctx.world_size, BUCKET_CAP_MB, STEPS, SIZES, local_batch_size=8, hold=hold)
     out["rank0_backward_returned_while_held"] = hold.released
     return out
 
 
 def detour_case(ctx) -> dict:
-    model, reference = Detour(seed=200 + ctx.rank), Detour(seed=200)
-    state = {"ddp": None, "start": 0}
-    arrivals = observe_arrivals(model, state)
-    ddp = state["ddp"] = BucketedDDP(model, bucket_cap_mb=DETOUR_CAP_BYTES / 2**20)
-    params = list(model.parameters())
-    out = {"buckets": [b.param_indices for b in ddp.buckets],
-           "bucket_numels": [sum(params[i].numel() for i in b.param_indices) for b in ddp.buckets]}
-    out.update(train_against_reference(ctx, ddp, model, reference, state, arrivals, DETOUR_STEPS,
-                                       [19, 16], local_batch_size=4))
-    return out
+    return wrap_and_train(Detour(seed=200 + ctx.rank), Detour(seed=200), ctx.rank, ctx.world_size,
+                          DETOUR_CAP_BYTES / 2**20, DETOUR_STEPS, [19, 16], local_batch_size=4)
 
 
 if __name__ == "__main__":

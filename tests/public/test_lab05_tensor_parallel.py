@@ -42,7 +42,7 @@ def case(results, name, needs, hint=""):
         message = stub_message(backward)
         if message:
             raise Unsolved(message)
-    reports = [results[rank][name] for rank in range(NPROC)]
+    reports = [results[rank][name] for rank in range(len(results))]
     for rank, rep in enumerate(reports):
         if "error" in rep:  # "rank R raised <last line>", as helpers.launch words a failed rank
             last = rep["error"].strip().splitlines()[-1]
@@ -50,7 +50,9 @@ def case(results, name, needs, hint=""):
     return reports
 
 
-def assert_matches_dense(reports, what=""):
+def assert_matches_dense(reports, what="", steps=STEPS):
+    """Every rank's output, input gradient, gradients of its shards and parameters after `steps`
+    SGD steps equal the dense model's (within TOL); `what` starts each message."""
     for rank, rep in enumerate(reports):
         d = rep["diffs"]
         assert d["output"] < TOL, f"{what}rank {rank}: output differs from dense by {d['output']:.2e}"
@@ -58,7 +60,7 @@ def assert_matches_dense(reports, what=""):
         for name, diff in d["grads"].items():
             assert diff < TOL, f"{what}rank {rank}: gradient of {name} (this rank's shard) differs by {diff:.2e}"
         for name, diff in d["params_after_steps"].items():
-            assert diff < TOL, f"{what}rank {rank}: {name} differs by {diff:.2e} after {STEPS} SGD steps"
+            assert diff < TOL, f"{what}rank {rank}: {name} differs by {diff:.2e} after {steps} SGD steps"
 
 
 def scaled(rep, what: str, small: str = "the contributions add up (chain rule), they are not "
@@ -193,6 +195,35 @@ def test_gather_backward_uses_the_rank_in_the_group(results):
 # ----------------------------------------------------------------------------------------------
 # The worker: `launch(__file__, "public")` runs this on every rank
 # ----------------------------------------------------------------------------------------------
+def training_report(dense, parallel, log, x, target, steps: int = STEPS, lr: float = 0.05) -> dict:
+    """The collectives of one step of `parallel` (recorded in its CommLog `log`), then `dense` and
+    `parallel` trained side by side from the same weights: their differences."""
+    calls = lab.step_collectives(parallel, log, x)
+    diffs = lab.compare_training(dense, parallel, x, target, steps=steps, lr=lr)
+    return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls]}
+
+
+def mlp_report(scheme: str, group, x, target, d_ff: int = D_FF, steps: int = STEPS, seed: int = 0) -> dict:
+    """The `scheme` MLP (lab.SCHEMES) on `group` against the dense MLP it was split from."""
+    def dense():
+        return lab.dense_mlp(x.shape[-1], d_ff, seed=seed, dtype=x.dtype, device=x.device)
+
+    log = lab.CommLog()
+    return training_report(dense(), lab.SCHEMES[scheme](dense(), group, log), log, x, target, steps)
+
+
+def run_each(cases: dict) -> dict:
+    """{name: case()} for every case, in order; a case that raised reports its traceback instead."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, fn in cases.items():
+        try:
+            out[name] = fn()
+        except Exception:  # every rank fails the same way (e.g. NotImplementedError): report it
+            out[name] = {"error": traceback.format_exc(limit=-3)}
+        dist.barrier()  # a rank that failed early waits here instead of running ahead
+    return out
 
 
 def worker_cases(ctx) -> dict:
@@ -253,26 +284,14 @@ def worker_cases(ctx) -> dict:
                 "grad_factor": factor(x.grad, mine), "calls": log.summary()}
 
     def mlp_case(scheme, group=None):
-        log = lab.CommLog()
-        parallel = lab.SCHEMES[scheme](lab.dense_mlp(D_MODEL, D_FF, dtype=dtype, device=ctx.device), group, log)
         x, target = lab.sample_batch(BATCH, SEQ, D_MODEL, seed=3, dtype=dtype, device=ctx.device)
-        calls = lab.step_collectives(parallel, log, x)
-        diffs = lab.compare_training(lab.dense_mlp(D_MODEL, D_FF, dtype=dtype, device=ctx.device),
-                                     parallel, x, target, steps=STEPS)
-        return {"diffs": diffs, "calls": [(c.phase, c.op, c.shape) for c in calls]}
+        return mlp_report(scheme, group, x, target)
 
     cases = {"f": f_case, "g": g_case, "gather": gather_case,
              "megatron": lambda: mlp_case("megatron"), "allgather": lambda: mlp_case("allgather"),
              "subgroup_megatron": lambda: mlp_case("megatron", groups[ctx.rank]),
              "subgroup_allgather": lambda: mlp_case("allgather", groups[ctx.rank])}
-    out = {}
-    for name, fn in cases.items():
-        try:
-            out[name] = fn()
-        except Exception:  # every rank fails the same way (e.g. NotImplementedError): report it
-            out[name] = {"error": traceback.format_exc(limit=-3)}
-        dist.barrier()  # a rank that failed early waits here instead of running ahead
-    return out
+    return run_each(cases)
 
 
 if __name__ == "__main__":

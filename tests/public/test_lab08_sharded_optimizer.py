@@ -84,11 +84,12 @@ class TiedThree(nn.Module):
         return self.out(torch.tanh(self.hidden(self.embed(idx))))
 
 
-def seeded_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
-    """One weight tensor, no bias: a single parameter (with 2 ranks, one of them owns nothing)."""
+def seeded_linear(in_features: int, out_features: int, seed: int, bias: bool = False) -> nn.Linear:
+    """One weight tensor, no bias: a single parameter (with 2 ranks, one of them owns nothing);
+    with `bias`, two."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Linear(in_features, out_features, bias=False)
+        return nn.Linear(in_features, out_features, bias=bias)
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -93,81 +93,119 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_case(name: str, group=None) -> dict:
+    """One case of CASES on `group` (None: every rank): its MoE and tokens, then `measure`."""
     import torch.distributed as dist
 
     import labs.lab11_experts as lab
-    from helpers.comm_count import count_collectives, count_p2p, patched
 
     hidden, ffn, per_rank, top_k, token_counts, factor, skew, dtype = CASES[name]
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    n = dist.get_world_size(group)
     members = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-    num_experts = per_rank * n
     with torch.random.fork_rng():
         torch.manual_seed(sum(token_counts) + n)
-        moe = lab.MoE(hidden, ffn, num_experts, top_k, factor).to(dtype)
+        moe = lab.MoE(hidden, ffn, per_rank * n, top_k, factor).to(dtype)
     with torch.no_grad():   # tilt the router towards expert 0 (on group rank 0) along the tokens' mean
         moe.router.weight[0] += skew * hidden ** -0.5
     gen = torch.Generator().manual_seed(7 * n + len(name))
     xs = [(torch.randn(token_counts[g], hidden, generator=gen, dtype=torch.float64) + 2.0 * hidden ** -0.5
            * (skew > 0)).to(dtype) for g in members]
     douts = [torch.randn(len(x), hidden, generator=gen, dtype=torch.float64).to(dtype) for x in xs]
+    return measure(moe, xs, douts, group, per_rank)
 
-    # One process: this rank's output and gradients; every expert's gradient over every rank's tokens.
+
+def one_process(moe, xs: list, douts: list, rank: int, per_rank: int, calls: int = 1) -> dict:
+    """The MoE in one process on every group rank's tokens xs[g] (in `calls` consecutive calls),
+    backward from the output gradient douts[g]: for group rank `rank` its output, dL/dx, router
+    gradient, output without the gates and aux loss (of its last call), in "expected"; each
+    expert's gradient summed over every rank's tokens ("summed"); splits[i][j], the rows group rank
+    i sends to group rank j; per expert, how many rows are routed to it and their first elements;
+    and how many (token, expert) choices the capacity dropped."""
+    n = len(xs)
     params = [moe.router.weight, *moe.experts.parameters()]
     expert_names = [k for k, _ in moe.experts.named_parameters()]
     summed = {k: torch.zeros_like(p) for k, p in moe.experts.named_parameters()}
     splits = [[0] * n for _ in range(n)]                 # splits[i][j]: rows group rank i sends to j
-    routed, routed_rows = [0] * num_experts, [[] for _ in range(num_experts)]
+    routed, routed_rows = [0] * (per_rank * n), [[] for _ in range(per_rank * n)]
+    dropped, expected = 0, {}
     for g, (x, dout) in enumerate(zip(xs, douts)):
         x = x.clone().requires_grad_(True)
-        out, chosen, kept = reference(moe, x)
+        parts = [(part, *reference(moe, part)) for part in x.tensor_split(calls)]
+        out = torch.cat([p[1] for p in parts])
         loss = (out * dout).sum() + 0 * x.sum()   # + 0 * x: a rank without tokens still has a graph
         grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
         for k, grad in zip(expert_names, grads[2:]):
             if grad is not None:
                 summed[k] += grad
-        for t, (experts, keeps) in enumerate(zip(chosen, kept)):
-            for e, keep in zip(experts, keeps):
-                if keep:
-                    splits[g][e // per_rank] += 1
-                    routed[e] += 1
-                    routed_rows[e].append(float(x[t, 0]))
+        for part, _, chosen, kept in parts:
+            for t, (experts, keeps) in enumerate(zip(chosen, kept)):
+                for e, keep in zip(experts, keeps):
+                    dropped += not keep
+                    if keep:
+                        splits[g][e // per_rank] += 1
+                        routed[e] += 1
+                        routed_rows[e].append(float(part[t, 0]))
         if g == rank:
-            router_grad = torch.zeros_like(params[0]) if grads[1] is None else grads[1]
-            expected = {"out": out.detach(), "x_grad": grads[0], "router_grad": router_grad,
-                        "ungated": reference(moe, x.detach(), gated=False)[0], "aux": reference_aux(moe, x.detach())}
-    dropped = sum(not k for x in xs for row in reference(moe, x)[2] for k in row)
+            pieces = x.detach().tensor_split(calls)
+            expected = {"out": out.detach(), "x_grad": grads[0],
+                        "router_grad": torch.zeros_like(params[0]) if grads[1] is None else grads[1],
+                        "ungated": torch.cat([reference(moe, p, gated=False)[0] for p in pieces]),
+                        "aux": reference_aux(moe, pieces[-1])}
+    return {"expected": expected, "summed": summed, "splits": splits, "routed": routed,
+            "routed_rows": routed_rows, "dropped": dropped}
 
-    rep = {"rank": rank, "size": n, "num_experts": num_experts, "top_k": top_k, "splits": splits,
-           "row_bytes": hidden * xs[0].element_size(), "dropped": dropped, "tokens": len(xs[rank])}
+
+def record_all_to_all(calls: list):
+    """Inside the block every all_to_all_single (still run) appends to `calls` its dtype, size,
+    split sizes and the bytes it sends to the other ranks."""
+    from helpers.comm_count import patched
+
+    def make(original):
+        def recorded(pg, output, inp, output_splits, input_splits, *args, **kwargs):
+            size = pg.size()
+            rows_in = inp.shape[0] if inp.dim() else inp.numel()
+            in_splits = list(input_splits) or [rows_in // size] * size
+            row_bytes = inp.nbytes // rows_in if rows_in else inp.element_size() * math.prod(inp.shape[1:])
+            calls.append({"dtype": str(inp.dtype), "numel": inp.numel(), "floating": inp.is_floating_point(),
+                          "sent": sum(s for j, s in enumerate(in_splits) if j != pg.rank()) * row_bytes,
+                          "row_bytes": row_bytes, "input_splits": in_splits,
+                          "output_splits": list(output_splits)})
+            return original(pg, output, inp, output_splits, input_splits, *args, **kwargs)
+        return recorded
+    return patched({"all_to_all_single": make}, required=("all_to_all_single",))
+
+
+def measure(moe, xs: list, douts: list, group, per_rank: int, calls: int = 1,
+            transposed: bool = False) -> dict:
+    """Splits `moe`'s experts over `group` (ExpertParallelMoE.from_dense), runs this group rank's
+    tokens xs[rank] forward (in `calls` consecutive calls; `transposed`: as a non-contiguous view)
+    and douts[rank] backward, and compares with `one_process`. The report the tests read: the
+    differences, the collectives and point-to-point messages of each pass, every all-to-all
+    (`record_all_to_all`), the rows each local expert ran on, and the routing's own numbers."""
+    import torch.distributed as dist
+
+    from helpers.comm_count import count_collectives, count_p2p
+
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    members = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    ref = one_process(moe, xs, douts, rank, per_rank, calls)
+    expected, routed, routed_rows = ref["expected"], ref["routed"], ref["routed_rows"]
+    rep = {"rank": rank, "members": members, "size": n, "num_experts": per_rank * n, "top_k": moe.top_k,
+           "splits": ref["splits"], "row_bytes": xs[0].shape[1] * xs[0].element_size(),
+           "dropped": ref["dropped"], "tokens": len(xs[rank]), "calls": calls}
     try:
         layer = ExpertParallelMoE.from_dense(moe, group)
         first = rank * per_rank
         seen = [[] for _ in layer.experts]
         hooks = [e.register_forward_hook(lambda _m, inp, _o, j=j: seen[j].extend(inp[0][:, 0].tolist()))
                  for j, e in enumerate(layer.experts)]
-        x = xs[rank].clone().requires_grad_(True)
+        x = xs[rank].clone()
+        if transposed:   # the same values, stored transposed: a non-contiguous (T, hidden) view
+            x = x.t().contiguous().t()
+        x.requires_grad_(True)
         a2a = {"forward": [], "backward": []}
-
-        def recorder(phase):
-            def make(original):
-                def recorded(pg, output, inp, output_splits, input_splits, *args, **kwargs):
-                    size = pg.size()
-                    rows_in = inp.shape[0] if inp.dim() else inp.numel()
-                    in_splits = list(input_splits) or [rows_in // size] * size
-                    row_bytes = inp.nbytes // rows_in if rows_in else inp.element_size() * math.prod(inp.shape[1:])
-                    a2a[phase].append({"dtype": str(inp.dtype), "numel": inp.numel(),
-                                       "floating": inp.is_floating_point(),
-                                       "sent": sum(s for j, s in enumerate(in_splits) if j != pg.rank()) * row_bytes,
-                                       "row_bytes": row_bytes, "input_splits": in_splits,
-                                       "output_splits": list(output_splits)})
-                    return original(pg, output, inp, output_splits, input_splits, *args, **kwargs)
-                return recorded
-            return patched({"all_to_all_single": make}, required=("all_to_all_single",))
-
         with count_collectives() as fwd_log, count_p2p(forbid_collectives=False) as fwd_p2p, \
-                recorder("forward"):
-            out = layer(x)
+                record_all_to_all(a2a["forward"]):
+            out = layer(x) if calls == 1 else torch.cat([layer(part) for part in x.tensor_split(calls)])
         for h in hooks:
             h.remove()
         rep.update(out_shape=list(out.shape),
@@ -184,7 +222,7 @@ def run_case(name: str, group=None) -> dict:
                                      "or the experts")
         else:
             with count_collectives() as bwd_log, count_p2p(forbid_collectives=False) as bwd_p2p, \
-                    recorder("backward"):
+                    record_all_to_all(a2a["backward"]):
                 (out * douts[rank]).sum().backward()
             rep.update(bwd_kinds=[c.kind for c in bwd_log], bwd_p2p=len(bwd_p2p.messages),
                        x_grad=float("inf") if x.grad is None else max_diff(x.grad, expected["x_grad"]),
@@ -193,7 +231,7 @@ def run_case(name: str, group=None) -> dict:
             missing, worst = [], 0.0
             for k, p in layer.experts.named_parameters():
                 j, leaf = k.split(".", 1)
-                want = summed[f"{first + int(j)}.{leaf}"]
+                want = ref["summed"][f"{first + int(j)}.{leaf}"]
                 if p.grad is None:
                     if want.abs().max() > 0:
                         missing.append(k)

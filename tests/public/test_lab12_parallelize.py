@@ -410,6 +410,17 @@ def matrices(rep: dict) -> dict[str, dict]:
     return {n: e for n, e in rep["params"].items() if not n.endswith("norm.weight")}
 
 
+def kept_next_to(results, name: str, plain: str) -> list[tuple[dict, int]]:
+    """(report, bytes the same rank kept for the backward in case `plain`) for each rank of case `name`."""
+    kept = {rep["rank"]: rep["saved_bytes"] for rep in case(results, plain)}
+    return [(rep, kept[rep["rank"]]) for rep in case(results, name)]
+
+
+def not_in_bf16(rep: dict) -> dict[str, list]:
+    """The linear layers that computed with weights of another dtype than bfloat16."""
+    return {n: d for n, d in rep["linear_dtypes"].items() if d[1] != "bfloat16"}
+
+
 # ----------------------------------------------------------------------- parallelize: placements
 @pytest.mark.exercise("parallelize")
 def test_every_parameter_is_split_over_dp_and_tp_only(results):
@@ -525,11 +536,10 @@ def test_whole_logits_without_loss_parallel(results):
 @pytest.mark.exercise("parallelize")
 def test_checkpointing_keeps_only_block_inputs(results):
     """activation_checkpointing=True: the forward keeps far less for the backward than without it."""
-    plain = {rep["rank"]: rep["saved_bytes"] for rep in case(results, "dp2 x tp2")}
-    for rep in case(results, "dp2 x tp2, checkpointing"):
-        assert rep["saved_bytes"] < 0.5 * plain[rep["rank"]], (
+    for rep, plain in kept_next_to(results, "dp2 x tp2, checkpointing", "dp2 x tp2"):
+        assert rep["saved_bytes"] < 0.5 * plain, (
             f"rank {rep['rank']}: with activation_checkpointing=True the forward kept "
-            f"{rep['saved_bytes']} bytes for the backward, without it {plain[rep['rank']]}: wrap each "
+            f"{rep['saved_bytes']} bytes for the backward, without it {plain}: wrap each "
             "block (checkpoint_wrapper) so that it keeps only its input and recomputes the rest "
             "during the backward")
         assert rep["param_diff"] < PARAM_ATOL, (
@@ -541,7 +551,7 @@ def test_checkpointing_keeps_only_block_inputs(results):
 def test_mixed_precision_policy_applies(results):
     """mp_policy with bf16 parameters: the layers compute in bf16; training follows one process at bf16 precision."""
     for rep in case(results, "dp2 x tp2, bf16"):
-        wrong = {n: d for n, d in rep["linear_dtypes"].items() if d[1] != "bfloat16"}
+        wrong = not_in_bf16(rep)
         assert not wrong, (
             f"rank {rep['rank']}: with mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
             f"these layers computed with weights of dtypes {wrong}: pass mp_policy to every "
