@@ -19,10 +19,12 @@ A "trainer" here is anything with `.model` and `.optimizer` (lab12_train.Trainer
 """
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
@@ -43,6 +45,13 @@ def save(trainer, root: Path, step: int) -> Path:
     """Every rank writes its shards of the model and optimizer state after `step` steps into
     root/step-<step>; returns that folder."""
     folder = root / f"step-{step:05d}"
+    # An earlier run may have left this folder, written by more ranks: its extra files would stay
+    # beside ours and be counted as this checkpoint's. Rank 0 empties it; everyone waits.
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if first and folder.exists():
+        shutil.rmtree(folder)
+    if dist.is_initialized():
+        dist.barrier()
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=folder)
     return folder

@@ -55,6 +55,7 @@ LOSS_RTOL = 1e-4
 PARAM_ATOL = 1e-4
 # bf16 parameters (MixedPrecisionPolicy): the losses agree to bf16's 8 bits of mantissa
 BF16_LOSS_RTOL = 2e-2
+CKPT_DIR = Path(__file__).resolve().parent.parent / "runs" / "lab12" / "train"   # the run's checkpoint
 
 
 # ================================================================================= one rank's run
@@ -430,13 +431,20 @@ def _flat(items):
 
 
 # ======================================================================================== the run
-def run(ctx: DistContext, *, steps: int, check_steps: int, eval_every: int, shape=None,
-        bf16: bool = False, activation_checkpointing: bool = False, ckpt_dir: Path | None = None,
-        config: LMConfig | None = None, sample_bytes: int = 0, eval_batches: int = 4) -> dict:
+def run(ctx: DistContext, *, steps: int | None = None, check_steps: int | None = None,
+        eval_every: int | None = None, shape=None, bf16: bool = False, activation_checkpointing: bool = False,
+        ckpt_dir: Path | None = CKPT_DIR, config: LMConfig | None = None, sample_bytes: int | None = None,
+        eval_batches: int = 4) -> dict:
     """The composed run: `steps` steps, checked against one process over the first `check_steps`,
     the held-out loss every `eval_every` steps, what each rank holds and sends, timings; with
     `ckpt_dir`, a sharded checkpoint at the end, reloaded by rank 0 in one process (held-out loss
-    and, with `sample_bytes`, a sample of text)."""
+    and, with `sample_bytes`, a sample of text). Steps and sample size left out are ./run.sh 12's
+    (`parse_args`' defaults), so `run(ctx)` is this lab's run (helpers/launch/run_labs.py)."""
+    defaults = parse_args([])
+    steps = defaults.steps if steps is None else steps
+    check_steps = defaults.check_steps if check_steps is None else check_steps
+    eval_every = defaults.eval_every if eval_every is None else eval_every
+    sample_bytes = defaults.sample_bytes if sample_bytes is None else sample_bytes
     config = config or default_config()
     shape = tuple(shape or mesh_shape(ctx.world_size))
     train_data, held_out = split(corpus())
@@ -517,7 +525,7 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     shape = tuple(int(v) for v in args.mesh.split(",")) if args.mesh else None
-    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else Path(__file__).resolve().parent.parent / "runs" / "lab12" / "train"
+    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else CKPT_DIR
     with distributed() as ctx:
         out = attempt(run, ctx, steps=args.steps, check_steps=args.check_steps, eval_every=args.eval_every,
                       shape=shape, bf16=args.bf16, activation_checkpointing=args.checkpointing,

@@ -571,3 +571,12 @@ def test_saved_outputs_never_reach_a_commit_or_block_an_update(tmp_path):
 
 # JupyterLab itself (started as root, saving widget state, saves that change nothing for git,
 # interrupts, tables, widgets without a kernel): tests/test_jupyterlab.py, one server for all.
+
+
+def test_the_launch_package_imports_nothing_until_used():
+    """`python -m helpers.launch.procs` and `.warm` run on every launch; if importing the package
+    imported them first, runpy would print a RuntimeWarning to the student each time."""
+    code = ("import sys, helpers.launch; "
+            "print(sorted(m for m in sys.modules if m.startswith('helpers.launch.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"importing helpers.launch imported {out.stdout.strip()}"

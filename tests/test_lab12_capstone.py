@@ -248,11 +248,33 @@ def test_trace_and_timeline(run):
         assert 0 < tr["mfu"] < 1 and tr["tokens_per_s"] > 0 and not math.isnan(tr["step_s"])
 
 
+
+def test_clipping_needs_the_global_norm(run):
+    """lab12_clipping: clip_grad_norm_'s norm is one process's on every rank; the norm of a rank's own
+    shards, or of its stage alone, is smaller and differs between ranks, and clipping with it moves
+    the parameters away from one process and the tp copies of a norm weight away from each other."""
+    from labs.lab12_clipping import OWN
+
+    res, _ = run
+    own = {rank: rep["clipping"]["norms"]["this rank's shards"] for rank, rep in res.items()}
+    for rank, rep in res.items():
+        c = rep["clipping"]
+        true = c["one_process"]["norm"]
+        assert c["norms"]["global (clip_grad_norm_)"] == pytest.approx(true, rel=1e-4), f"rank {rank}"
+        assert own[rank] < true and c["norms"]["this stage"] < true, f"rank {rank}: {c['norms']} vs {true}"
+        assert c["true_coefficient"] < 1, "max_norm must be small enough to clip, or the lesson is moot"
+        right, wrong = c["runs"]["global norm"], c["runs"][OWN]
+        assert right["max_param_diff"] < PARAM_ATOL and right["tp_replica_spread"] == 0.0, f"rank {rank}: {right}"
+        assert wrong["max_param_diff"] > 10 * max(right["max_param_diff"], 1e-7), f"rank {rank}: {wrong} vs {right}"
+    assert len({round(v, 6) for v in own.values()}) > 1, f"every rank's own norm is the same: {own}"
+    assert max(rep["clipping"]["runs"][OWN]["tp_replica_spread"] for rep in res.values()) > 0, \
+        "clipping with each rank's own norm left the tp copies of the norm weights equal"
+
 # ---------------------------------------------------------------------------------------- worker
 def worker(folder: Path) -> None:
     from helpers.dist import distributed
     from labs import lab12_checkpoint as ck, lab12_resume as resume
-    from labs import lab12_trace, lab12_train
+    from labs import lab12_clipping, lab12_trace, lab12_train
 
     cfg = config()
     with distributed() as ctx:
@@ -269,6 +291,7 @@ def worker(folder: Path) -> None:
         report["trace"] = lab12_trace.run(ctx, config=cfg, shape=PIPELINE, warmup=1, timed=1, profiled=1,
                                           trace_dir=folder / "trace", peak_window_s=0.1)
         report["trace"]["timeline"].pop("intervals")
+        report["clipping"] = lab12_clipping.run(ctx, config=cfg, shape=PIPELINE, steps=3)
         if ctx.rank == 0:
             report["uninterrupted"] = model_lab.train_reference(cfg, STEPS, model_lab.split(model_lab.corpus())[0])["losses"]
         ctx.report(**report)

@@ -12,6 +12,15 @@ Modules:
 - cli: what `./run.sh`, `./run.sh NN` and `./run.sh script.py` run;
 - run_labs: several labs' `run(ctx)` in one launch (a notebook's one launch for many labs).
 """
-from helpers.launch.torchrun import REPO_ROOT, LaunchError, LaunchResult, default_nproc, launch
-
 __all__ = ["REPO_ROOT", "LaunchError", "LaunchResult", "default_nproc", "launch"]
+
+
+def __getattr__(name: str):
+    # The face's names are torchrun's, imported on first use: importing the package imports nothing,
+    # so `python -m helpers.launch.procs` (or .warm) does not find itself already imported by
+    # this package, as runpy would warn on every launch.
+    if name in __all__:
+        from helpers.launch import torchrun
+
+        return getattr(torchrun, name)
+    raise AttributeError(f"module 'helpers.launch' has no attribute {name!r}")

@@ -6,7 +6,10 @@ all of them, where a launch per lab would pay both each time (seconds per launch
     res.rank0["lab03_training"]      # what labs/lab03_training.py's run(ctx) returned on rank 0
 
 The labs run in the order given, on every rank, inside one `helpers.dist.distributed()`; each
-one's return value is reported under its name (and whatever it reported itself stays as it was).
+one's return value is reported under its name (and whatever it reported itself stays as it was),
+or, when its run needs an exercise that is still a stub (student edition), the record
+`{"unsolved": message}` of helpers.notice.attempt: the other labs still run, and the notebook
+shows the notice where it uses that lab's result (`solved(...)`).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ if __name__ == "__main__":  # run as a script: import from the repository root, 
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 from helpers.dist import distributed  # noqa: E402
+from helpers.notice import attempt  # noqa: E402
 
 
 def main(names: list[str]) -> None:
@@ -26,7 +30,7 @@ def main(names: list[str]) -> None:
     labs = [importlib.import_module(f"labs.{name}") for name in names]  # a typo fails before setup
     with distributed() as ctx:
         for name, lab in zip(names, labs):
-            ctx.report(**{name: lab.run(ctx)})
+            ctx.report(**{name: attempt(lab.run, ctx)})
 
 
 if __name__ == "__main__":
