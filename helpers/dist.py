@@ -185,6 +185,63 @@ def setup(timeout_s: float | None = None) -> DistContext:
     return ctx
 
 
+# ----------------------------------------------------------------------------- groups and meshes
+# The names a device mesh's dimensions may have, in torchtitan's order
+# (torchtitan/distributed/parallel_dims.py: [pp, dp_replicate, dp_shard, cp, tp]), with "dp" for a
+# single data-parallel dimension and "ep" for the experts' sub-mesh. Every lab names its axes from
+# here, so a table of calls per dimension reads the same in every notebook.
+MESH_AXES: dict[str, str] = {
+    "pp": "pipeline stages",
+    "dp_replicate": "data parallel, replicated (HSDP's outer dimension)",
+    "dp_shard": "data parallel, sharded (FSDP)",
+    "dp": "data parallel (one dimension)",
+    "cp": "context parallel: the sequence split over ranks",
+    "ep": "expert parallel: the experts split over ranks",
+    "tp": "tensor (and sequence) parallel",
+}
+
+
+def new_group(ranks: list[int] | None = None, *, name: str,
+              backend: str | None = None) -> dist.ProcessGroup:
+    """`dist.new_group` with DIST_TIMEOUT (torch's default for a new group is 30 minutes on gloo,
+    whatever the default group's timeout) and `name` as its description (torch's `group_desc`, which
+    the flight recorder and error messages show). Every rank of the default group must call it, in
+    the same order, even ranks that are not in `ranks`."""
+    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_seconds()),
+                          backend=backend, group_desc=name)
+
+
+def device_mesh(device_type: str | torch.device, **sizes: int):
+    """A DeviceMesh over every rank, its dimensions named and sized by `sizes` in order, e.g.
+    `device_mesh("cpu", pp=2, dp=2, tp=2)`; names from MESH_AXES. Its groups time out after
+    DIST_TIMEOUT: `init_device_mesh` makes them with torch's default (read from
+    `distributed_c10d.default_pg_timeout` when each group is made), replaced while the mesh is made."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    unknown = [n for n in sizes if n not in MESH_AXES]
+    if unknown:
+        raise ValueError(f"mesh dimension(s) {unknown} are not among helpers.dist.MESH_AXES "
+                         f"({', '.join(MESH_AXES)})")
+    bad = {n: s for n, s in sizes.items() if not isinstance(s, int) or s < 1}
+    if bad:
+        raise ValueError(f"mesh dimensions must be positive whole numbers, got {bad}")
+    total = 1
+    for s in sizes.values():
+        total *= s
+    world = dist.get_world_size()
+    if total != world:
+        shape = " x ".join(f"{n} {s}" for n, s in sizes.items())
+        raise ValueError(f"a {shape} mesh needs {total} ranks, this run has {world}")
+    device_type = torch.device(device_type).type if isinstance(device_type, torch.device) else device_type
+    timeout = datetime.timedelta(seconds=timeout_seconds())
+    c10d = dist.distributed_c10d
+    with mock.patch.object(c10d, "default_pg_timeout", timeout), \
+            mock.patch.object(c10d, "default_pg_nccl_timeout", timeout):
+        return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+
+
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
