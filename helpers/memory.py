@@ -35,7 +35,8 @@ class SavedTensorBytes:
     tensors (under autocast, the bf16 casts of the weights, found through their grad_fn chain).
     With `skip_parameters`, no parameter, nor a view or cast of one made by autograd-tracked
     operators (FSDP's gathered weights, their transposes and casts), is counted: the parameters'
-    memory, not activations, wherever the parameters are not at hand to `exclude`.
+    memory, not activations, wherever the parameters are not at hand to `exclude`. Counters do not
+    nest: torch packs with the innermost saved-tensors hooks only.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), *, skip_parameters: bool = False):
