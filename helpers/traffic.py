@@ -263,11 +263,18 @@ class TrafficMeter(TorchDispatchMode):
             return NotImplemented                 # DTensor's dispatch first; its collectives come back here
         table = OPERATORS.get(func.namespace)
         name = func._schema.name.split("::")[-1]
+        calls: list[Call] = []
         if self.counting and table is not None and (name in table or name == "batch_p2p_ops"):
-            for call in self._calls(func, name, table, args, kwargs):
+            calls = self._calls(func, name, table, args, kwargs)
+            for call in calls:
                 if self.on_call is not None:
                     self.on_call(call)
                 self._add(call)
+        return self.issue(func, args, kwargs, calls)
+
+    def issue(self, func, args, kwargs, calls: list[Call]):
+        """Run the operator; `calls` are the calls it makes (none for most operators). A subclass
+        may wrap it (labs/lab12_trace.py labels each call for the profiler)."""
         return func(*args, **kwargs)
 
     def _add(self, call: Call) -> None:

@@ -206,7 +206,7 @@ def lab12_stage_params(config, shape, stage):
 def test_lab12_model_counts_lab12s_parameters(small):
     """RMSNorm, rotary positions, no biases, an MLP of ffn, an untied output: the planner counts lab 12's model."""
     from labs.lab12_model import LMConfig, parameter_count
-    from labs.lab09_mesh import lab12_model
+    from labs.lab12_plan import lab12_model
 
     config = LMConfig(dim=32, heads=4, layers=4, ffn=64, seq=32, batch=8) if small else LMConfig()
     spec = lab12_model(config)
@@ -222,7 +222,7 @@ def test_plan_lab12_holds_what_each_stage_holds(shape, microbatches):
     """plan_lab12: per stage, the parameters lab 12's stage holds on a rank (tp-split, then ZeRO-3 over dp), AdamW's 8 bytes."""
     needs_planner()
     from labs.lab08_zero import model_state_bytes
-    from labs.lab09_mesh import lab12_config, plan_lab12
+    from labs.lab12_plan import lab12_config, plan_lab12
     from labs.lab12_model import LMConfig
 
     config = LMConfig()

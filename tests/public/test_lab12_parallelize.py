@@ -155,8 +155,9 @@ def _train(model, mesh, cfg, shape, device, loss_parallel, steps, microbatches) 
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
+    from helpers.memory import SavedTensorBytes
+    from helpers.traffic import TrafficMeter
     from labs.lab12_model import batch_at, corpus, lm_loss
-    from labs.lab12_train import MeshTraffic, SavedActivations
 
     pp, dp, tp = shape
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -173,10 +174,10 @@ def _train(model, mesh, cfg, shape, device, loss_parallel, steps, microbatches) 
     out: dict = {"losses": []}
     for step in range(steps):
         x, y = (t[dp_rank * rows:(dp_rank + 1) * rows].to(device) for t in batch_at(data, step, cfg.batch, cfg.seq))
-        traffic = MeshTraffic(mesh) if step == 1 else contextlib.nullcontext()
+        traffic = TrafficMeter(mesh) if step == 1 else contextlib.nullcontext()
         with traffic, context():
             if schedule is None:
-                saved = SavedActivations() if step == 0 else contextlib.nullcontext()
+                saved = SavedTensorBytes(skip_parameters=True) if step == 0 else contextlib.nullcontext()
                 with saved:
                     logits = model(x)
                 if step == 0:
