@@ -6,7 +6,11 @@
   behind: torchrun, procs, warm, cli, run_labs;
 - notice: an unsolved exercise's notice instead of a failure (notebooks, labs, tests);
 - bench, comm_bench: timing done right; collectives' bandwidth and each call's fixed cost;
-- comm_count: what a process sends (point-to-point, collectives, or counted by the caller);
+- traffic: the traffic meter: every collective and message a rank issues, by mesh dimension,
+  checked against CommDebugMode and the flight recorder;
+- comm_count: what a process sends (point-to-point, collectives: views of the meter; or counted by
+  the caller);
+- memory: what autograd saves for the backward, and the peak allocated during a block;
 - accounting, tensors: the bytes a process holds; even splits, seeded construction;
 - show: tables, figures and explorers, in a notebook and on a terminal;
 - flight_recorder, mystery_jobs: notebook 10's instruments (torch's flight recorder; the jobs of
