@@ -39,7 +39,8 @@ Against torch's own, on the same runs (tests/test_traffic.py): the counts per co
 `CommDebugMode`'s, and in order, group by group, the flight recorder's entries, with two
 differences that are the tools', not the meter's: CommDebugMode counts neither point-to-point
 messages nor barriers; gloo's flight recorder records no point-to-point message and no monitored
-barrier, and names a reduce-scatter "all_reduce" (what gloo runs).
+barrier, and names a reduce-scatter "all_reduce" (what gloo runs). Checked on gloo only: nccl's
+flight recorder names and records its entries its own way, and `compare` says it did not check them.
 
 Dimension names: `names` first ({"name": group or ranks}); then the mesh's dimensions (and the
 dimensions flattened from it), told by their ranks, not by the group object (DTensor caches what

@@ -384,10 +384,10 @@ def planner_vs_trace(step: dict, prediction: dict, line: dict, call_s: float) ->
     text = (f"the measured step is {abs(total_gap):.0f} ms {'longer' if total_gap > 0 else 'shorter'} than predicted; the "
             f"term that differs most is {biggest}: {gaps[biggest]:+.0f} ms in the trace against the planner\n"
             f"calls: {sum(measured.values())} in one step on rank 0 against the {sum(measured.values()) - extra} the planner "
-            f"counts ({extra:+d}: {extra * 1e3 * call_s:+.0f} ms at {1e3 * call_s:.2f} ms a call); on dp it counts "
-            f"FSDP2's {planned.get('dp', 0)} calls (per unit and step) where notebook 09's ZeRO-3 term counts "
-            f"{planned.get('zero3', 0)} (per micro-batch): dp_comm {1e3 * terms['dp_comm']:.1f} ms against "
-            f"{1e3 * terms.get('dp_comm_zero3', terms['dp_comm']):.1f} ms")
+            f"counts ({extra:+d}: {extra * 1e3 * call_s:+.0f} ms at {1e3 * call_s:.2f} ms a call)"
+            + (f"; on dp it counts FSDP2's {planned['dp']} calls (per unit and step) where notebook 09's ZeRO-3 term "
+               f"counts {planned['zero3']} (per micro-batch): dp_comm {1e3 * terms['dp_comm']:.1f} ms against "
+               f"{1e3 * terms.get('dp_comm_zero3', terms['dp_comm']):.1f} ms" if planned.get("zero3") else ""))
     return PlannerVsTrace(rows, calls, biggest, total_gap, text)
 
 

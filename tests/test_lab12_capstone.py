@@ -426,6 +426,8 @@ def test_report_planner_and_cpu_flip():
     assert "FSDP2's 14 calls" in longer.text and "ZeRO-3 term counts 12" in longer.text and "+1:" in longer.text
     shorter = report.planner_vs_trace(asdict(step), {**prediction, "step_s": 2.0}, line, 1e-3)
     assert "shorter" in shorter.text
+    one_replica = asdict(step) | {"planner_calls": {"tp": 36, "dp": 0, "zero3": 0}, "calls": {"tp": 36}}
+    assert "ZeRO-3" not in report.planner_vs_trace(one_replica, prediction, line, 1e-3).text    # no dp: nothing to say
     machine = {"compute": {"flops": 1e6}}
     busy = report.cpu_work({0: asdict(step), 1: asdict(step)}, prediction, machine, 1e9, line, 2, 2)
     assert busy.cpu_bound and busy.busy == 0.9
