@@ -1,0 +1,207 @@
+"""Lab 11 (overlap): does the compute hide the ring's transfers on this machine? Measured against
+its counterfactual in the same run.
+
+Run:  ./run.sh 11      (this file alone: ./run.sh labs/lab11_overlap.py; 2-4 ranks)
+
+The same non-causal ring (the contiguous layout, lab11_ring_attention's block kernel and merge)
+runs in four ways, interleaved, several times each:
+- "overlapped": the next block's receive posted before this block's compute, waited for after it
+  (what the exercise asks; Liu et al. 2023, arXiv:2310.01889);
+- "serialized": the same exchange posted after the compute and waited for at once: nothing can
+  overlap, the counterfactual;
+- "compute only": the blocks and the merges without any message (a rank's own block, N times);
+- "transfer only": the messages without any block.
+and, once the homework is written, the exercise's `ring_attention` itself.
+
+If a ring hid its transfers completely, it would take max(compute, transfer); serialized it takes
+compute + transfer. The time a ring saved, compute + transfer - ring, out of the most it could
+save, min(compute, transfer), is the share hidden (`hidden_verdict`: "hidden", "not hidden", or
+"within noise" when the saving is not larger than the repeats' own spread). The sizes make
+transfer and compute comparable here, so either verdict can come out: on one machine the ranks'
+messages are copies made by the same cores that compute, and a transfer that needs a core the
+compute holds does not hide.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import labs.lab11_ring_attention as ring
+from helpers import pick
+from helpers.dist import DistContext, distributed
+from helpers.notice import attempt
+from labs.lab11_results import Shown, median_and_noise
+
+MODES = ("overlapped", "serialized", "compute only", "transfer only")
+HOMEWORK = "your ring_attention"
+RINGS = ("overlapped", "serialized", HOMEWORK)      # the ones a verdict is given for
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, group=None) -> torch.Tensor:
+    """The non-causal ring's forward on this rank's contiguous shard, its exchange placed by `mode`
+    (one of MODES); returns the output (zeros for "transfer only")."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    peers = ring.ring_peers(group)
+    n, r, s = peers.size, peers.rank, q.shape[-2]
+    with torch.no_grad():
+        kv = torch.stack([k, v])
+        out = lse = None
+        for step in range(n):
+            source = (r - step) % n if mode != "compute only" else r
+            incoming = torch.empty_like(kv) if step < n - 1 and mode != "compute only" else None
+            requests = []
+            if incoming is not None and mode in ("overlapped", "transfer only"):
+                requests = ring.post_ring_exchange(kv, incoming, peers, group)
+            if mode != "transfer only":
+                block_out, block_lse = ring.attention_block(q, kv[0], kv[1], r * s, source * s, False)
+                out, lse = (block_out, block_lse) if out is None else \
+                    ring.combine_partials([out, block_out], [lse, block_lse])
+            if incoming is not None and mode == "serialized":
+                requests = ring.post_ring_exchange(kv, incoming, peers, group)
+            for request in requests:
+                request.wait()
+            if incoming is not None:
+                kv = incoming
+    return out if out is not None else torch.zeros_like(q)
+
+
+def measure(device: torch.device, sizes: dict, repeats: int, group=None) -> dict:
+    """Seconds of each mode (and of the homework's ring_attention, if written) on this rank, per
+    repeat; the modes take turns in a rotating order (a slow spell of the machine hits each alike)."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    q, k, v = ring.sample_qkv(sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"],
+                              dtype=torch.float32, device=device)
+    mine = [ring.sequence_shard(t, rank, n) for t in (q, k, v)]
+    runs = {mode: (lambda m=mode: ring_forward(*mine, m, group)) for mode in MODES}
+    homework = attempt(ring.ring_attention, *mine, group=group)          # also a warm-up
+    if not (isinstance(homework, dict) and "unsolved" in homework):
+        runs[HOMEWORK] = lambda: ring.ring_attention(*mine, group=group)
+    names = list(runs)
+    seconds = {name: [] for name in names}
+    for repeat in range(repeats + 1):                                    # the first: warm-up
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            runs[name]()
+            if repeat:
+                seconds[name].append(time.perf_counter() - start)
+    unsolved = homework["unsolved"] if HOMEWORK not in runs else None
+    return {"sizes": sizes, "steps": n, "block_bytes": mine[1].nbytes + mine[2].nbytes,
+            "seconds": seconds, "unsolved": unsolved}
+
+
+@dataclass(frozen=True)
+class HiddenVerdict:
+    ring: str
+    ms: float              # median time of this ring
+    hidden_ms: float       # compute + transfer - ring, median over repeats
+    hideable_ms: float     # min(compute, transfer), median over repeats
+    noise_ms: float        # the repeats' spread of hidden_ms (1.4826 MAD)
+    share: float           # hidden / hideable
+    verdict: str           # "hidden", "not hidden" or "within noise"
+
+
+def hidden_verdict(ring_name: str, compute: list[float], transfer: list[float], ring_s: list[float],
+                   threshold: float = 0.5) -> HiddenVerdict:
+    """Paired by repeat (seconds): the time the ring saved against doing compute and transfer one
+    after the other, out of the most it could save. The noise is the largest spread of the
+    repeats (of the saving, the compute, the transfer). "hidden" when it saved at least
+    `threshold` of what it could and more than twice the noise; "not hidden" when it saved less
+    than `threshold` of it; "within noise" when the saving is not above twice the noise, or what
+    it could save is not (a transfer lost in the noise can be neither hidden nor shown exposed)."""
+    hidden = [c + t - r for c, t, r in zip(compute, transfer, ring_s)]
+    hideable = [min(c, t) for c, t in zip(compute, transfer)]
+    hidden_s = median_and_noise(hidden)[0]
+    noise_s = max(median_and_noise(values)[1] for values in (hidden, compute, transfer))
+    hideable_s = median_and_noise(hideable)[0]
+    share = hidden_s / hideable_s if hideable_s > 0 else 0.0
+    if hideable_s <= 2 * noise_s:
+        verdict = "within noise"          # the transfer is no larger than the run's noise
+    elif share < threshold:
+        verdict = "not hidden"
+    elif hidden_s > 2 * noise_s:
+        verdict = "hidden"
+    else:
+        verdict = "within noise"
+    return HiddenVerdict(ring_name, 1e3 * median_and_noise(ring_s)[0], 1e3 * hidden_s, 1e3 * hideable_s,
+                         1e3 * noise_s, share, verdict)
+
+
+@dataclass(frozen=True)
+class OverlapResult(Shown):
+    verdicts: dict[str, HiddenVerdict]
+    compute_ms: float
+    transfer_ms: float
+
+
+def mean_per_repeat(reports: list[dict]) -> dict[str, list[float]]:
+    """Per mode, the ranks' mean seconds in each repeat. (Not the slowest rank's: the slowest
+    compute plus the slowest transfer, taken from different ranks, would exceed any rank's
+    serialized ring and credit it with hiding what it never hid.)"""
+    names = reports[0]["seconds"]
+    return {name: [sum(rep["seconds"][name][i] for rep in reports) / len(reports)
+                   for i in range(len(names[name]))] for name in names}
+
+
+def summarize(reports: list[dict]) -> OverlapResult:
+    """Every rank's `measure` report: each mode's median time, and the verdict for each ring."""
+    seconds = mean_per_repeat(reports)
+    compute, transfer = seconds["compute only"], seconds["transfer only"]
+    verdicts = {name: hidden_verdict(name, compute, transfer, seconds[name]) for name in RINGS if name in seconds}
+    first = reports[0]
+    rows = [{"ring": v.ring, "median ms": v.ms, "saved ms (compute + transfer - ring)": v.hidden_ms,
+             "could save ms (min)": v.hideable_ms, "noise ms": v.noise_ms, "share hidden": v.share,
+             "verdict": v.verdict} for v in verdicts.values()]
+    c_ms, t_ms = 1e3 * median_and_noise(compute)[0], 1e3 * median_and_noise(transfer)[0]
+    lines = [f"alone: the blocks and merges take {c_ms:.3g} ms, the {first['steps'] - 1} K/V transfers of "
+             f"{first['block_bytes'] / 2**20:.3g} MiB {t_ms:.3g} ms (median of {len(compute)} repeats, mean of the ranks)"]
+    lines += [f"{v.ring}: {v.verdict} ({v.share:.0%} of the {v.hideable_ms:.3g} ms it could hide, "
+              f"noise {v.noise_ms:.2g} ms)" for v in verdicts.values()]
+    if first.get("unsolved"):
+        lines.append("your ring_attention: not timed (the exercise is not done yet)")
+    return OverlapResult(f"non-causal ring, float32, {first['sizes']}, {len(reports)} ranks", rows, lines,
+                         verdicts, c_ms, t_ms)
+
+
+def min_block_for_overlap(flops_per_s: float, link_bytes_per_s: float, element_bytes: int = 2) -> float:
+    """Positions per block (c = S/N) above which a step's compute outlasts its transfer, so the ring
+    can hide its messages: a non-causal block costs 4 b a c^2 d flops (Q K^T and P V; a heads of d)
+    while K and V move 2 b a c d e bytes, hence c >= e F / (2 B) (with e = 2, F / B: the condition
+    Liu et al. 2023 state for ring attention)."""
+    return element_bytes * flops_per_s / (2 * link_bytes_per_s)
+
+
+def gpu_table(flops_per_s: float, links: dict[str, float], ranks: int = 8) -> Shown:
+    """`min_block_for_overlap` for a GPU of `flops_per_s` on each link (bytes/s per direction)."""
+    rows = [{"link (per direction)": name, "GB/s": bw / 1e9,
+             "min positions per rank c": min_block_for_overlap(flops_per_s, bw),
+             f"min sequence on {ranks} ranks": ranks * min_block_for_overlap(flops_per_s, bw)}
+            for name, bw in links.items()]
+    return Shown("Ring attention on GPUs: blocks long enough to hide K/V transfers (formula, peak rates)", rows, [])
+
+
+def default_sizes() -> dict:
+    return dict(batch=1, heads=pick(512, 64), seq_local=pick(64, 16), head_dim=64)
+
+
+def run(ctx: DistContext, repeats: int | None = None, **sizes) -> dict:
+    """This rank's seconds for every mode (`measure`)."""
+    return measure(ctx.device, {**default_sizes(), **sizes}, pick(9, 5) if repeats is None else repeats)
+
+
+def main() -> None:
+    with distributed() as ctx:
+        result = run(ctx)
+        ctx.report(**result)
+        reports = [None] * ctx.world_size
+        dist.all_gather_object(reports, result)
+        if ctx.rank == 0:
+            summarize(reports).show()
+
+
+if __name__ == "__main__":
+    main()
