@@ -154,14 +154,24 @@ def one_process(moe, xs: list, douts: list, rank: int, per_rank: int, calls: int
             "routed_rows": routed_rows, "dropped": dropped}
 
 
-def record_all_to_all(calls: list):
+class WrongGroup(RuntimeError):
+    """A collective issued on a group other than the layer's (raised before it runs: no rank hangs)."""
+
+
+def record_all_to_all(calls: list, group_size: int | None = None):
     """Inside the block every all_to_all_single (still run) appends to `calls` its dtype, size,
-    split sizes and the bytes it sends to the other ranks."""
+    split sizes and the bytes it sends to the other ranks; one issued on a group whose size is not
+    `group_size` (the layer's group) raises WrongGroup instead of running."""
     from helpers.comm_count import patched
 
     def make(original):
         def recorded(pg, output, inp, output_splits, input_splits, *args, **kwargs):
             size = pg.size()
+            if group_size is not None and size != group_size:
+                raise WrongGroup(
+                    f"all_to_all_single was called on a group of {size} rank(s), but this layer's group "
+                    f"(self.group) has {group_size}: every collective of the layer goes to self.group (the "
+                    "other ranks of the world are not in it and never make the matching call)")
             rows_in = inp.shape[0] if inp.dim() else inp.numel()
             in_splits = list(input_splits) or [rows_in // size] * size
             row_bytes = inp.nbytes // rows_in if rows_in else inp.element_size() * math.prod(inp.shape[1:])
@@ -195,16 +205,19 @@ def measure(moe, xs: list, douts: list, group, per_rank: int, calls: int = 1,
     try:
         layer = ExpertParallelMoE.from_dense(moe, group)
         first = rank * per_rank
-        seen = [[] for _ in layer.experts]
-        hooks = [e.register_forward_hook(lambda _m, inp, _o, j=j: seen[j].extend(inp[0][:, 0].tolist()))
-                 for j, e in enumerate(layer.experts)]
+        seen, expert_calls = [[] for _ in layer.experts], [0] * len(layer.experts)
+
+        def saw(j, rows):
+            seen[j].extend(rows[:, 0].tolist())
+            expert_calls[j] += 1
+        hooks = [e.register_forward_hook(lambda _m, inp, _o, j=j: saw(j, inp[0])) for j, e in enumerate(layer.experts)]
         x = xs[rank].clone()
         if transposed:   # the same values, stored transposed: a non-contiguous (T, hidden) view
             x = x.t().contiguous().t()
         x.requires_grad_(True)
         a2a = {"forward": [], "backward": []}
         with count_collectives() as fwd_log, count_p2p(forbid_collectives=False) as fwd_p2p, \
-                record_all_to_all(a2a["forward"]):
+                record_all_to_all(a2a["forward"], n):
             out = layer(x) if calls == 1 else torch.cat([layer(part) for part in x.tensor_split(calls)])
         for h in hooks:
             h.remove()
@@ -213,7 +226,7 @@ def measure(moe, xs: list, douts: list, group, per_rank: int, calls: int = 1,
                    ungated=max_diff(out.detach(), expected["ungated"]),
                    permuted=permutation_of(out.detach(), expected["out"]),
                    aux=abs(float(layer.aux_loss) - expected["aux"]) if hasattr(layer, "aux_loss") else None,
-                   requires_grad=out.requires_grad, seen=[len(s) for s in seen],
+                   requires_grad=out.requires_grad, seen=[len(s) for s in seen], expert_calls=expert_calls,
                    seen_ok=[sorted(s) == sorted(routed_rows[first + j]) for j, s in enumerate(seen)],
                    routed=[routed[first + j] for j in range(len(seen))],
                    fwd_kinds=[c.kind for c in fwd_log], fwd_p2p=len(fwd_p2p.messages))
@@ -222,7 +235,7 @@ def measure(moe, xs: list, douts: list, group, per_rank: int, calls: int = 1,
                                      "or the experts")
         else:
             with count_collectives() as bwd_log, count_p2p(forbid_collectives=False) as bwd_p2p, \
-                    record_all_to_all(a2a["backward"]):
+                    record_all_to_all(a2a["backward"], n):
                 (out * douts[rank]).sum().backward()
             rep.update(bwd_kinds=[c.kind for c in bwd_log], bwd_p2p=len(bwd_p2p.messages),
                        x_grad=float("inf") if x.grad is None else max_diff(x.grad, expected["x_grad"]),
@@ -257,10 +270,10 @@ def permutation_of(out: torch.Tensor, expected: torch.Tensor) -> bool:
 
 def worker() -> None:
     import torch.distributed as dist
-    from helpers.dist import distributed
+    from helpers.dist import distributed, new_group
 
     with distributed() as ctx:
-        groups = [dist.new_group(members) for members in SUBGROUPS]       # every rank, every group
+        groups = [new_group(members, name=f"experts of {members}") for members in SUBGROUPS]   # every rank, every group
         mine = next(g for g, members in zip(groups, SUBGROUPS) if ctx.rank in members)
         cases = {}
         for name in CASES:   # reported one by one: a case that crashes the ranks leaves the others
@@ -310,7 +323,8 @@ def case(results: Ranks, name: str, ranks=None) -> list[dict]:
         reps = [partial[r]["cases"][name] for r in ranks]
     for rep in reps:
         if "error" in rep:
-            extra = (" all_to_all_single needs, on every rank, output_split_sizes that match what the "
+            extra = ("" if rep["error"].startswith("WrongGroup") else
+                     " all_to_all_single needs, on every rank, output_split_sizes that match what the "
                      "others send: exchange the counts first." if "split" in rep["error"].lower() else
                      f" Probably {TIMEOUT_HINT}" if "imed out" in rep["error"] else "")
             pytest.fail(f"group rank {rep['rank']} ({name}): ExpertParallelMoE.forward raised "
@@ -492,6 +506,20 @@ def test_each_expert_runs_only_on_the_rows_routed_to_it(results, name):
                 f"group rank {rep['rank']} ({name}): expert {e} ran on rows that were not routed to it: "
                 "rows arrive grouped by source rank, then by expert inside each source's block (the "
                 "counts say how many)")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_expert_runs_once_per_forward(results, name):
+    """Each local expert is called at most once per forward (its rows from every rank together), once if it has rows."""
+    for rep in case(results, name):
+        for j, (calls, routed) in enumerate(zip(rep["expert_calls"], rep["routed"])):
+            e = rep["rank"] * (rep["num_experts"] // rep["size"]) + j
+            assert calls <= rep["calls"] and (calls >= 1 or routed == 0), (
+                f"group rank {rep['rank']} ({name}): expert {e} was called {calls} times in {rep['calls']} forward(s)"
+                + (" although rows were routed to it" if calls == 0 else
+                   f": once per piece (one piece per source rank, {rep['size']} ranks). Run each local expert once "
+                   "per forward, on its pieces from every rank concatenated: one large matmul instead of N small "
+                   "ones (on a GPU, small matmuls leave it idle), and split its result back into the pieces' places"))
 
 
 def test_on_a_subgroup(results):
