@@ -426,6 +426,8 @@ def test_overlap_verdict_flips():
     assert overlap.hidden_verdict("o", compute, transfer, overlapped).verdict == "hidden"
     assert overlap.hidden_verdict("s", compute, transfer, serialized).verdict == "not hidden"
     assert overlap.hidden_verdict("n", compute, transfer, noisy).verdict == "within noise"
+    near = [c + t - 0.025 + j for c, t, j in zip(compute, transfer, (0.0, 0.012, -0.011, 0.01, -0.012))]
+    assert overlap.hidden_verdict("h", compute, transfer, near).verdict == "within noise"   # 50% +- noise
     tiny = [1e-6 + j for j in (0.0, 1e-3, -1e-3, 2e-3, -2e-3)]      # a transfer no bigger than the noise
     assert overlap.hidden_verdict("t", compute, tiny, [c + t for c, t in zip(compute, tiny)]).verdict == "within noise"
 

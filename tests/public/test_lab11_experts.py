@@ -221,6 +221,13 @@ def measure(moe, xs: list, douts: list, group, per_rank: int, calls: int = 1,
             out = layer(x) if calls == 1 else torch.cat([layer(part) for part in x.tensor_split(calls)])
         for h in hooks:
             h.remove()
+        if n > 1 and not fwd_log:
+            rep["error"] = (f"SkippedCollective: this rank made no collective call in its forward ({len(x)} token(s)), "
+                            "while the other ranks of its group wait for it in theirs. A rank without tokens still "
+                            "takes part in every collective (it sends and receives zero rows), and so does a rank "
+                            "whose rows all stay local")
+            rep["traceback"], rep["a2a"] = "", a2a
+            return rep
         rep.update(out_shape=list(out.shape),
                    output=max_diff(out.detach(), expected["out"]),
                    ungated=max_diff(out.detach(), expected["ungated"]),
@@ -279,6 +286,8 @@ def worker() -> None:
         for name in CASES:   # reported one by one: a case that crashes the ranks leaves the others
             cases[name] = run_case(name, mine if name == "subgroup" else None)
             ctx.report(cases=cases)
+            if cases[name].get("error", "").startswith("SkippedCollective"):
+                raise SystemExit(cases[name]["error"])    # the other ranks wait in a collective: end now
             dist.barrier()
 
 
@@ -314,6 +323,10 @@ def case(results: Ranks, name: str, ranks=None) -> list[dict]:
         reps = [results[r]["cases"][name] for r in ranks]
     except RankFailure as err:
         partial = results.partial
+        skipped = [c[name]["error"] for c in (partial.get(r, {}).get("cases", {}) for r in range(NPROC))
+                   if name in c and c[name].get("error", "").startswith("SkippedCollective")]
+        if skipped:
+            pytest.fail(f"case {name!r}: {skipped[0]}")
         if not all(name in partial.get(r, {}).get("cases", {}) for r in ranks):
             if "doesn't match expected size" in results.output:   # gloo's words, then it aborts
                 raise RankFailure(f"case {name!r}: {SPLITS_HINT} (The launch stopped: {err})") from None
@@ -323,7 +336,10 @@ def case(results: Ranks, name: str, ranks=None) -> list[dict]:
         reps = [partial[r]["cases"][name] for r in ranks]
     for rep in reps:
         if "error" in rep:
-            extra = ("" if rep["error"].startswith("WrongGroup") else
+            extra = ("" if rep["error"].startswith(("WrongGroup", "SkippedCollective")) else
+                     " The counts are whole numbers: count rows per expert in an integer dtype "
+                     "(torch.bincount gives int64) and pass split sizes as Python ints."
+                     if "must be tuple of ints" in rep["error"] or "type float" in rep["error"] else
                      " all_to_all_single needs, on every rank, output_split_sizes that match what the "
                      "others send: exchange the counts first." if "split" in rep["error"].lower() else
                      f" Probably {TIMEOUT_HINT}" if "imed out" in rep["error"] else "")
@@ -368,6 +384,10 @@ def output_message(results, rep: dict, name: str) -> str:
         return what + ("The balanced case passes: with uneven split sizes, rank i's rows arrive as "
                        "one block per source rank, of the size that rank sent (the counts you "
                        "received), not of the size this rank sends, nor T k / N.")
+    if not all(rep.get("seen_ok", [True])):
+        return what + ("Some expert ran on rows that were not routed to it: rows arrive grouped by source "
+                       "rank, and inside each source's block by local expert (the counts you received say "
+                       "how many of each), not the other way round.")
     return what + ("Each token's output is the gate-weighted sum of the outputs of the experts it "
                    "was routed to, whichever rank holds them.")
 
@@ -417,12 +437,18 @@ def test_gradients_match_the_dense_layer(results, name):
             f"group rank {r} ({name}): the local experts' gradients differ by {rep['expert_grad']:.2e} from "
             "the dense experts' summed over every rank's tokens: the backward must bring each rank's "
             "gradient rows to the expert's owner (the all-to-all's backward)" + fix)
+        assert rep["router_grad"] < tol, (
+            f"group rank {r} ({name}): the router's gradient differs by {rep['router_grad']:.2e}"
+            + (" (none reached it)" if rep["router_grad"] == float("inf") else "") + ": the gates "
+            "(routing.weights, differentiable: not detached) must multiply the returned rows, the router's "
+            "only path to the task loss" + fix)
+        backward_a2a = len(rep["a2a"]["backward"])
         assert rep["x_grad"] < tol, (
             f"group rank {r} ({name}): dL/dx differs by {rep['x_grad']:.2e}: the gradients of the rows "
-            "sent away must come back to their tokens (all_to_all in both directions)" + fix)
-        assert rep["router_grad"] < tol, (
-            f"group rank {r} ({name}): the router's gradient differs by {rep['router_grad']:.2e}: the "
-            "gates (routing.weights, differentiable) must multiply the returned rows" + fix)
+            "sent away must come back to their tokens (all_to_all in both directions)"
+            + (f"; the backward made {backward_a2a} all-to-all(s) where the two row exchanges make 2: a row "
+               "exchange went through a collective autograd cannot follow (dist.all_to_all_single itself): "
+               "send the rows with the lab's all_to_all, both ways" if backward_a2a < 2 else "") + fix)
 
 
 def test_aux_loss_recorded(results):
