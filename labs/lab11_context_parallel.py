@@ -72,9 +72,9 @@ def try_context_parallel(device: torch.device, sizes: dict, group=None) -> dict:
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
     n = dist.get_world_size(group)
-    b, h, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
-    q, k, v = ring.sample_qkv(b, h, s, d, dtype=torch.float32, device=device)
-    dout = ring.sample_qkv(b, h, s, d, seed=1, dtype=torch.float32, device=device)[0]
+    b, a, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
+    q, k, v = ring.sample_qkv(b, a, s, d, dtype=torch.float32, device=device)
+    dout = ring.sample_qkv(b, a, s, d, seed=1, dtype=torch.float32, device=device)[0]
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*full, is_causal=True)
     expected.backward(dout)
@@ -163,9 +163,9 @@ def compare_rings(device: torch.device, sizes: dict, group=None) -> dict:
     from labs.lab11_zigzag import zigzag_ring_attention
 
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    b, h, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
-    q, k, v = ring.sample_qkv(b, h, s, d, device=device)
-    dout = ring.sample_qkv(b, h, s, d, seed=1, device=device)[0]
+    b, a, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
+    q, k, v = ring.sample_qkv(b, a, s, d, device=device)
+    dout = ring.sample_qkv(b, a, s, d, seed=1, device=device)[0]
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*full, is_causal=True)
     expected.backward(dout)

@@ -108,19 +108,21 @@ class HiddenVerdict:
 def hidden_verdict(ring_name: str, compute: list[float], transfer: list[float], ring_s: list[float],
                    threshold: float = 0.5) -> HiddenVerdict:
     """Paired by repeat (seconds): the time the ring saved against doing compute and transfer one
-    after the other, out of the most it could save (the share hidden). The noise is the largest
-    of the medians' standard errors (of the saving, the compute, the transfer). "hidden" when the
+    after the other, out of the most it could save (the share hidden). The noise is the standard
+    error of the median saving (paired by repeat, so a slow spell of the machine that lengthens
+    compute, transfer and ring alike cancels out). "hidden" when the
     share stays at or above `threshold` after taking twice the noise off it, "not hidden" when it
     stays below after adding twice the noise, "within noise" otherwise, or when what it could save
-    is itself within twice the noise (a transfer lost in the noise is neither hidden nor exposed)."""
+    is itself within twice the noise of the compute or transfer measured alone (a transfer lost in
+    the noise is neither hidden nor exposed)."""
     hidden = [c + t - r for c, t, r in zip(compute, transfer, ring_s)]
     hideable = [min(c, t) for c, t in zip(compute, transfer)]
-    hidden_s = median_and_noise(hidden)[0]
-    noise_s = max(median_and_noise(values)[1] for values in (hidden, compute, transfer))
+    hidden_s, noise_s = median_and_noise(hidden)       # paired: each repeat's compute and transfer inside
     hideable_s = median_and_noise(hideable)[0]
+    alone_noise = max(median_and_noise(values)[1] for values in (compute, transfer))
     share = hidden_s / hideable_s if hideable_s > 0 else 0.0
     band = 2 * noise_s / hideable_s if hideable_s > 0 else float("inf")     # twice the noise, as a share
-    if hideable_s <= 2 * noise_s:
+    if hideable_s <= 2 * max(noise_s, alone_noise):
         verdict = "within noise"          # the transfer is no larger than the run's noise
     elif share - band >= threshold:
         verdict = "hidden"
@@ -194,7 +196,7 @@ def default_sizes() -> dict:
 
 def run(ctx: DistContext, repeats: int | None = None, **sizes) -> dict:
     """This rank's seconds for every mode (`measure`)."""
-    return measure(ctx.device, {**default_sizes(), **sizes}, pick(9, 5) if repeats is None else repeats)
+    return measure(ctx.device, {**default_sizes(), **sizes}, pick(15, 5) if repeats is None else repeats)
 
 
 def main() -> None:

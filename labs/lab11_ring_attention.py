@@ -44,11 +44,11 @@ LAYOUTS = ("contiguous", "zigzag")
 # ============================================================================ one block
 def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int,
                     causal: bool, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries q (b, h, sq, d) at global positions q_start ... q_start + sq - 1 over
-    keys and values k, v (b, h, sk, d) at positions k_start ... k_start + sk - 1, this block only.
+    """Attention of queries q (b, a, sq, d) at global positions q_start ... q_start + sq - 1 over
+    keys and values k, v (b, a, sk, d) at positions k_start ... k_start + sk - 1, this block only.
 
-    Returns (out, lse): out (b, h, sq, d) = softmax(q k^T * scale) v normalised over this block's
-    keys, and lse (b, h, sq) = log sum_j exp(score_ij) over the same keys (scale = 1/sqrt(d) by
+    Returns (out, lse): out (b, a, sq, d) = softmax(q k^T * scale) v normalised over this block's
+    keys, and lse (b, a, sq) = log sum_j exp(score_ij) over the same keys (scale = 1/sqrt(d) by
     default, as F.scaled_dot_product_attention). `causal`: the query at position i sees the key
     at position j only if j <= i; a query that sees no key of the block gets out = 0, lse = -inf.
     Computed in `accumulation_dtype(q.dtype)`: float64 stays float64 (exact to rounding), bf16 and
@@ -56,10 +56,10 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     acc = accumulation_dtype(q.dtype)                                      # no-op for fp32/fp64
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)              # (b, h, sq, sk)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)              # (b, a, sq, sk)
     if causal:
         scores.masked_fill_(_future(q_start, q.shape[-2], k_start, k.shape[-2], q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                  # (b, h, sq)
+    lse = torch.logsumexp(scores, dim=-1)                                  # (b, a, sq)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)    # rows that see no key
     if torch.is_grad_enabled():                                            # autograd keeps scores
         weights = torch.exp(scores - finite.unsqueeze(-1))
@@ -85,8 +85,8 @@ def _future(q_start: int, sq: int, k_start: int, sk: int, device) -> torch.Tenso
 
 def attention_block_backward(q, k, v, dout, lse, delta, q_start: int, k_start: int, causal: bool,
                              scale: float | None = None) -> tuple[torch.Tensor, ...]:
-    """This block's share of (dq, dk, dv), given the whole row's lse (b, h, sq) and
-    delta = rowsum(dout * out) (b, h, sq) of the merged output: P = exp(scores - lse) is then the
+    """This block's share of (dq, dk, dv), given the whole row's lse (b, a, sq) and
+    delta = rowsum(dout * out) (b, a, sq) of the merged output: P = exp(scores - lse) is then the
     block's slice of the whole softmax, and dS = P (dP - delta) (FlashAttention-2's backward,
     Dao 2023, arXiv:2307.08691, algorithm 2)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -96,7 +96,7 @@ def attention_block_backward(q, k, v, dout, lse, delta, q_start: int, k_start: i
         p = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
         if causal:
             p.masked_fill_(_future(q_start, q.shape[-2], k_start, k.shape[-2], q.device), float("-inf"))
-        p.sub_(lse.unsqueeze(-1)).exp_()                   # (b, h, sq, sk): the block's softmax
+        p.sub_(lse.unsqueeze(-1)).exp_()                   # (b, a, sq, sk): the block's softmax
         dv = torch.matmul(p.transpose(-1, -2), dout)
         ds = torch.matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(p)   # dS
         return torch.matmul(ds, k).mul_(scale), torch.matmul(ds.transpose(-1, -2), q).mul_(scale), dv
@@ -195,10 +195,10 @@ def ring_attention_backward(q, k, v, out, lse, dout, causal: bool, group=None,
     peers = ring_peers(group)
     n, r, seq_local = peers.size, peers.rank, q.shape[-2]
     acc_dtype = accumulation_dtype(q.dtype)                  # sums of N terms: at least fp32
-    delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1)   # (b, h, sq)
+    delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1)   # (b, a, sq)
     q_, dout_, lse_ = q.to(acc_dtype), dout.to(acc_dtype), lse.to(acc_dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    kv = torch.stack([k, v])                                  # (2, b, h, s, d): one message
+    kv = torch.stack([k, v])                                  # (2, b, a, s, d): one message
     acc = None                                                # the accumulator in our hands
     acc_incoming, acc_requests = None, []
     for step in range(n):
@@ -256,8 +256,8 @@ class RingAttentionGrad(torch.autograd.Function):
 
 def with_ring_backward(q, k, v, out, lse, causal: bool = False, group=None,
                        layout: str = "contiguous") -> torch.Tensor:
-    """`out` (b, h, seq_local, d) in q's dtype, differentiable in q, k, v through the ring's
-    backward. lse (b, h, seq_local): each query's log-sum-exp of its scaled scores over the whole
+    """`out` (b, a, seq_local, d) in q's dtype, differentiable in q, k, v through the ring's
+    backward. lse (b, a, seq_local): each query's log-sum-exp of its scaled scores over the whole
     sequence. Hand it the merged out and lse as the merge left them (float32 for bf16 inputs):
     the cast to q's dtype happens here, once, at the end."""
     return RingAttentionGrad.apply(q, k, v, out, lse, causal, group, layout)
@@ -303,7 +303,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     peers = ring_peers(group)
     n, r, seq_local = peers.size, peers.rank, q.shape[-2]
     with torch.no_grad():                                   # the backward is with_ring_backward's
-        kv = torch.stack([k, v])                            # (2, b, h, s, d): one contiguous message
+        kv = torch.stack([k, v])                            # (2, b, a, s, d): one contiguous message
         out = lse = None
         for step in range(n):
             source = (r - step) % n                         # whose K/V this rank holds now

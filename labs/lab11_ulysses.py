@@ -26,6 +26,8 @@ ring's point-to-point messages (helpers.comm_count.count_p2p), beside `bytes_per
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -132,9 +134,9 @@ def measure_bytes(device: torch.device, sizes: dict, kind: str, group=None) -> d
     (Ulysses: each all-to-all's rows for the other ranks, from its split sizes; the ring: its
     point-to-point messages), and the formula."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    b, h, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
+    b, a, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
     mine = [ring.sequence_shard(t, rank, n).requires_grad_(True)
-            for t in ring.sample_qkv(b, h, s, d, device=device)]
+            for t in ring.sample_qkv(b, a, s, d, device=device)]
     if kind == "ulysses":
         with record_all_to_alls() as forward:
             y = ulysses_attention(*mine, causal=True, group=group)
@@ -147,7 +149,7 @@ def measure_bytes(device: torch.device, sizes: dict, kind: str, group=None) -> d
         with count_p2p() as backward:
             y.backward(torch.ones_like(y))
         counted = {"forward": forward.sent_bytes, "backward": backward.sent_bytes}
-    return {"counted": counted, "formula": bytes_per_rank(kind, n, b, h, s, d, mine[0].element_size())}
+    return {"counted": counted, "formula": bytes_per_rank(kind, n, b, a, s, d, mine[0].element_size())}
 
 
 def default_sizes() -> dict:
@@ -200,16 +202,26 @@ def bytes_summary(report: dict) -> Shown:
                         "counted bytes " + ("equal the formulas" if same else "DIFFER from the formulas")])
 
 
-def crossover(rows: list[dict]) -> Shown:
+@dataclass(frozen=True)
+class Crossover(Shown):
+    ranks: list[int]
+    ring_mb: list[float]
+    ulysses_mb: list[float]
+    ulysses_possible: list[bool]
+
+
+def crossover(rows: list[dict]) -> Crossover:
     """From `formula_rows`: from how many ranks the ring sends more than Ulysses, and Ulysses' limit."""
     cross = next((r["ranks"] for r in rows if r["ring / Ulysses"] > 1), None)
     limit = max((r["ranks"] for r in rows if r["Ulysses possible"]), default=None)
     last = rows[-1]
-    return Shown("per rank, one attention layer of 128K tokens (32 heads x 128, bf16), forward", rows,
+    return Crossover("per rank, one attention layer of 128K tokens (32 heads x 128, bf16), forward", rows,
                  [(f"the ring sends more than Ulysses from N = {cross} on" if cross else
                    "the ring never sends more than Ulysses in these rows")
                   + f" (ring / Ulysses = N/2: x{last['ring / Ulysses']:.0f} at N = {last['ranks']}); "
-                  + (f"Ulysses stops at N = {limit} (the heads)" if limit else "Ulysses is impossible in every row")])
+                  + (f"Ulysses stops at N = {limit} (the heads)" if limit else "Ulysses is impossible in every row")],
+                     [r["ranks"] for r in rows], [r["ring fwd MB"] for r in rows], [r["Ulysses fwd MB"] for r in rows],
+                     [r["Ulysses possible"] for r in rows])
 
 
 def main() -> None:

@@ -89,7 +89,7 @@ def work_per_rank(schedule: list[dict]) -> list[int]:
 # ============================================================================ the ring
 def zigzag_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                           group=None) -> torch.Tensor:
-    """Ring attention on zig-zag shards: q, k, v (b, h, seq_local, d) hold this rank's chunks r and
+    """Ring attention on zig-zag shards: q, k, v (b, a, seq_local, d) hold this rank's chunks r and
     2N-1-r (of 2N) one after the other; returns the same rows of SDPA's output, differentiable
     (the backward ring in this layout). Each step computes the tiles `block_pairs` leaves; the
     partial results of each query chunk are merged at the end (`combine_partials`)."""
@@ -97,7 +97,7 @@ def zigzag_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     n, r, seq_local = peers.size, peers.rank, q.shape[-2]
     pieces = ring.local_chunks("zigzag", r, n, seq_local)
     with torch.no_grad():
-        kv = torch.stack([k, v])                                       # (2, b, h, s, d)
+        kv = torch.stack([k, v])                                       # (2, b, a, s, d)
         partial = {offset: ([], []) for offset, _, _ in pieces}        # q chunk -> outs, lses
         for step in range(n):
             source = (r - step) % n

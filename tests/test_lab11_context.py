@@ -485,7 +485,9 @@ def test_ulysses_summaries_flip(ranks):
     wrong["bytes"]["ulysses"]["counted"]["forward"] += 8
     assert ulysses.bytes_summary(wrong).lines[1] == "counted bytes DIFFER from the formulas"
     rows = ulysses.formula_rows()
-    assert ulysses.crossover(rows).lines[0].startswith("the ring sends more than Ulysses from N = 4 on")
+    cross = ulysses.crossover(rows)
+    assert cross.lines[0].startswith("the ring sends more than Ulysses from N = 4 on")
+    assert cross.ranks == [2, 4, 8, 16, 32, 64] and cross.ulysses_possible == [True] * 5 + [False]
     assert ulysses.crossover(rows[:1]).lines[0].startswith("the ring never sends more than Ulysses")
 
 

@@ -437,6 +437,13 @@ def test_gradients_match_the_dense_layer(results, name):
             f"group rank {r} ({name}): the local experts' gradients differ by {rep['expert_grad']:.2e} from "
             "the dense experts' summed over every rank's tokens: the backward must bring each rank's "
             "gradient rows to the expert's owner (the all-to-all's backward)" + fix)
+        dispatch = rep["a2a"]["forward"][1]["sent"] if len(rep["a2a"]["forward"]) == 3 else None
+        if rep["router_grad"] >= tol and dispatch is not None and dispatch != expected_bytes(rep)[0]:
+            pytest.fail(f"group rank {r} ({name}): the router's gradient differs by {rep['router_grad']:.2e}, and the "
+                        f"dispatch sent {dispatch} bytes where the routing sends {expected_bytes(rep)[0]}: rows went "
+                        "where they were not routed (every token to every rank?), so the gates were computed, and "
+                        "their gradients collected, on other ranks' router copies. Send each kept (token, expert) "
+                        "choice to its expert's owner only, and apply the gates on the token's own rank")
         assert rep["router_grad"] < tol, (
             f"group rank {r} ({name}): the router's gradient differs by {rep['router_grad']:.2e}"
             + (" (none reached it)" if rep["router_grad"] == float("inf") else "") + ": the gates "
