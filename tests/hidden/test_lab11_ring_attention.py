@@ -20,7 +20,7 @@ import torch
 
 from labs.lab11_ring_attention import ring_attention
 from tests.harness import launch_ranks
-from tests.public.test_lab11_ring_attention import BF16, overlap_violation, run_case
+from tests.public.test_lab11_ring_attention import BF16, STOPS, overlap_violation, run_case
 
 pytestmark = pytest.mark.exercise("ring_attention")
 
@@ -172,6 +172,9 @@ def worker() -> None:
         cases = {}
         for name, (*args, dtype) in CASES.items():
             cases[name] = run_case(*args, seed=7, dtype=dtype, device=ctx.device)
+            if cases[name].get("error", "").startswith(STOPS):
+                ctx.report(cases=cases)
+                raise SystemExit(cases[name]["error"])   # messages in flight: nothing after this is sound
         *args, dtype = CASES["causal odd"]
         cases["second call"] = run_case(*args, seed=7, dtype=dtype, device=ctx.device)
         for name, (causal, members) in BF16_CASES.items():

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from labs.lab11_ring_attention import ring_attention
-from tests.harness import launch_ranks
+from tests.harness import RankFailure, launch_ranks
 
 pytestmark = pytest.mark.exercise("ring_attention")
 
@@ -115,6 +115,13 @@ def run_case(batch, heads, seq_local, head_dim, causal, logit_scale, layout, gro
                                and (got - other).abs().max().item() < 1e-6), None),
                backward_called="lse" in handed,
                lse=(handed["lse"] - expected_lse).abs().max().item() if "lse" in handed else None)
+    posted, waited = len(trace.of("recv")), len(trace.of("wait recv"))
+    if waited < posted:     # its messages are still in flight: any later message could meet them
+        rep["error"] = (f"UnwaitedReceive: ring_attention posted {posted} receive(s) and waited for {waited}: a "
+                        "block is used (and the next one sent on) before it has arrived, and the messages left "
+                        "in flight would meet the next ones. Wait for every request the exchange returns, after "
+                        "computing the current block and before using the received one")
+        return rep
     try:
         out.backward(dout[..., rows, :])
     except Exception as err:
@@ -135,9 +142,20 @@ def results():
                         needs=[ring_attention])
 
 
+STOPS = ("UnwaitedReceive",)     # errors after which a rank ends the launch: its messages are in flight
+
+
 def case(results, name: str, ranks=range(NPROC)) -> list[dict]:
-    """Every listed rank's report for one case; a case that raised fails here, with its error."""
-    reps = [results[rank]["cases"][name] for rank in ranks]
+    """Every listed rank's report for one case; a case that raised fails here, with its error (and
+    a launch that one rank ended, for an error in STOPS, gives that error)."""
+    try:
+        reps = [results[rank]["cases"][name] for rank in ranks]
+    except RankFailure as err:
+        stopped = [c for rank_report in results.partial.values() for c in rank_report.get("cases", {}).values()
+                   if c.get("error", "").startswith(STOPS)]
+        if stopped:
+            pytest.fail(f"group rank {stopped[0]['rank']}: {stopped[0]['error']}")
+        raise RankFailure(f"the launch failed before case {name!r} was reported: {err}") from None
     for rep in reps:
         if "error" in rep:
             hint = (" K and V must travel around the ring with isend/irecv: a collective such as "
@@ -157,7 +175,8 @@ MERGE = ("Each block's result is normalised over that block's keys only: merge t
          "the online softmax does; averaging or adding blocks' softmaxes is not the softmax of the "
          "whole row.")
 POSITIONS = ("With causal=True the query at global position i sees the keys at global positions "
-             "j <= i: rank r's queries start at r * seq_local, the block it received from rank j "
+             "j <= i: at step i rank r holds the block that started on rank (r - i) mod N (blocks move "
+             "to the next rank); rank r's queries start at r * seq_local, the block from rank j "
              "starts at j * seq_local, and blocks from later ranks are all in the future.")
 
 
@@ -233,8 +252,10 @@ def test_gradients_match_sdpa(results, name):
     """Autograd through the result gives SDPA's dq, dk and dv on every rank."""
     for rep in case(results, name):
         assert "backward_error" not in rep, (
-            f"group rank {rep['rank']} ({name}): backward raised {rep.get('backward_error')}. Return "
-            "with_ring_backward(q, k, v, out, lse, causal, group): it makes the result differentiable")
+            f"group rank {rep['rank']} ({name}): backward raised {rep.get('backward_error')}. " +
+            ("with_ring_backward was called, but with tensors cut off from autograd: pass it this rank's own "
+             "q, k and v (not detached copies), so the gradients reach them" if rep["backward_called"] else
+             "Return with_ring_backward(q, k, v, out, lse, causal, group): it makes the result differentiable"))
         assert rep["backward_called"], (
             f"group rank {rep['rank']} ({name}): with_ring_backward was not called. Autograd cannot "
             "follow K and V through isend/irecv, so the other ranks' dK/dV would be lost: return "
@@ -434,8 +455,13 @@ def worker() -> None:
     from helpers.dist import distributed, new_group
 
     with distributed() as ctx:
-        cases = {name: run_case(*args, device=ctx.device) for name, args in CASES.items()}
-        cases["bfloat16"] = run_case(*BF16, seed=10, dtype=torch.bfloat16, device=ctx.device)
+        cases = {}
+        for name, args in [*CASES.items(), ("bfloat16", BF16)]:
+            cases[name] = run_case(*args, device=ctx.device, **({"seed": 10, "dtype": torch.bfloat16}
+                                                                if name == "bfloat16" else {}))
+            if cases[name].get("error", "").startswith(STOPS):
+                ctx.report(cases=cases)
+                raise SystemExit(cases[name]["error"])   # messages in flight: nothing after this is sound
         groups = [new_group(members, name=f"ring of {members}") for members in SUBGROUPS]   # every rank, every group
         mine = next(g for g, members in zip(groups, SUBGROUPS) if ctx.rank in members)
         cases["subgroup"] = run_case(1, 2, 4, 4, True, 1.0, "contiguous", group=mine, seed=3,
