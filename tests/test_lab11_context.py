@@ -470,6 +470,8 @@ def test_zigzag_summary_and_its_verdicts(ranks):
     assert zigzag.narrowed_verdict([1.0, 1.05, 0.95], [2.0, 2.1, 1.9]).startswith("zig-zag widened it")
     assert zigzag.narrowed_verdict([1.5, 2.5, 1.0], [1.4, 1.0, 2.4]).endswith(": noise")
     reports = copy.deepcopy(reports_of(ranks, "lab11_zigzag"))
+    reports[1]["zigzag_vs_sdpa"]["causal"]["worst"] = 1.0
+    assert zigzag.balance_summary(reports).lines[0].endswith("(MORE than rounding)")
     reports[0]["balance"]["zigzag"]["work"] += 1
     reports[0]["torch_positions"] = [[0]]
     lines = zigzag.balance_summary(reports).lines
@@ -499,6 +501,11 @@ def test_torch_cp_summaries(ranks):
     wrong["torch_ring"]["rows"][0]["dk"] = 1.0
     assert torch_cp.rings_summary(wrong).lines[0].endswith("(MORE than rounding)")
     assert "fails, as the dispatch table says for the CPU" in torch_cp.context_parallel_line(report)
+    ran = {"context_parallel": {"ran": True, "device": "cuda:0", "local_shape": [1, 4, 8, 8],
+                                "max_abs_diff": {"output": 1e-3}}}
+    assert torch_cp.context_parallel_line(ran).startswith("context_parallel ran on cuda:0")
+    wrong["torch_ring"]["rows"][-1]["sent_bytes"] = {"forward": 1, "backward": 2}
+    assert torch_cp.rings_summary(wrong).lines[-1].endswith("different bytes")
     api = torch_cp.api_summary().lines
     assert "_ContextParallel" in api[1] and "_HeadTailLoadBalancer" in api[1]
 
@@ -511,6 +518,9 @@ def test_memory_summaries_flip(ranks):
     wrong["single"][0]["saved (measured)"] += 4
     solved(wrong["ring"])[0]["saved"] += 4
     assert "DIFFER" in memory.single_summary(wrong).lines[0] and "DIFFER" in memory.ring_summary(wrong).lines[0]
+    assert " below plain attention's" in memory.ring_summary(report).lines[1]
+    solved(wrong["ring"])[-1]["peak backward"] = 1e12
+    assert "NOT below" in memory.ring_summary(wrong).lines[1]
     growth = memory.growth_summary(report)
     assert growth.lines[1] == "quadratic against linear, as the formula says" and len(growth.curves) == 4
     assert memory.growth_verdict(1.1, 1.0).startswith("not on this run")

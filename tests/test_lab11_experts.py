@@ -296,6 +296,13 @@ def test_balance_summaries(ranks):
     assert balance.skew_summary(run).lines[0].startswith("from skew 0.0 to 4.0")
     cap = balance.capacity_summary(run)
     assert cap.lines[-1].startswith("the tilted router drops at least as many")
+    everywhere, from_125 = copy.deepcopy(run), copy.deepcopy(run)
+    for row in everywhere["capacity"]:
+        row["dropped"] += 1
+    for row in from_125["capacity"]:
+        row["dropped"] = 0 if row["capacity factor"] >= 1.25 else row["dropped"] + 1
+    assert balance.capacity_summary(everywhere).lines[0].endswith("assignments dropped at every factor of the table")
+    assert balance.capacity_summary(from_125).lines[0] == "router skew 0.0: nothing dropped from capacity factor 1.25 on"
     wrong = copy.deepcopy(run)
     tilted = next(r for r in wrong["capacity"] if r["skew"] > 0)
     tilted["dropped"] = -1
