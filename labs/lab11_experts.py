@@ -1,6 +1,7 @@
 """Lab 11 (experts): a mixture-of-experts layer in one process, then its experts spread over ranks.
 
-Run:  ./run.sh 11      (the layer against the dense one: ./run.sh labs/lab11_expert_check.py)
+A library of lab 11 (no main): ./run.sh 11 runs the labs that use it, and
+./run.sh labs/lab11_expert_check.py checks the layer against the dense one.
 
 - `MoE(hidden, ffn, num_experts, top_k)`: a router (nn.Linear, no bias) scores every token, each
   token goes to its top-k experts (small MLPs), and their outputs are added weighted by the gates

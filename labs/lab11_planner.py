@@ -2,7 +2,8 @@
 (ep): activations and traffic per rank for a long-context and a mixture-of-experts model, and
 where each axis belongs on a cluster (its group inside a node or across nodes).
 
-Run:  ./run.sh labs/lab11_rankings.py      (pure arithmetic: the two rankings built on this file)
+A library of lab 11 (no main): ./run.sh labs/lab11_rankings.py prints the two rankings built on
+it (pure arithmetic).
 
 Given code, no exercise. It is built on labs/lab09_planner.py (ModelSpec, ClusterSpec, Link,
 collective_seconds, p2p_seconds, activation_bytes_per_layer: nothing here needs notebook 09's

@@ -1,7 +1,7 @@
-"""Lab 11 (results): the typed result a notebook cell shows. Each lab function that analyses a run
-returns one of these (or a subclass with more typed fields): a table (title, rows) and the
-sentences computed from the run, so a cell calls, shows and plots, and tests read fields, not
-dictionary keys.
+"""Lab 11 (results), a library of lab 11 (no main): the typed result a notebook cell shows. Each
+lab function that analyses a run returns one of these (or a subclass with more typed fields): a
+table (title, rows) and the sentences computed from the run, so a cell calls, shows and plots, and
+tests read fields, not dictionary keys.
 """
 from __future__ import annotations
 

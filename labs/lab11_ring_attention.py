@@ -2,7 +2,8 @@
 queries; the keys and values travel around a ring of point-to-point messages, one block per step,
 and the partial results merge with the online softmax.
 
-Run:  ./run.sh 11      (the ring against one process's SDPA: ./run.sh labs/lab11_ring_check.py)
+A library of lab 11 (no main): ./run.sh 11 runs the labs that use it, and
+./run.sh labs/lab11_ring_check.py checks the ring against one process's SDPA.
 
 - Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
   Context", arXiv:2310.01889: blockwise attention with the K/V blocks passed around a ring of

@@ -1,6 +1,6 @@
 """Lab 11 (ring trace): what one ring attention call did, in order, recorded from outside it.
 
-Run:  nothing to run alone: labs/lab11_ring_check.py and the tests use it.
+A library of lab 11 (no main): labs/lab11_ring_check.py, labs/lab11_zigzag.py and the tests use it.
 
 `trace_ring()` records, for every process, each point-to-point post and wait (every route ends in
 `ProcessGroup.send` / `recv`; the requests isend, irecv and gloo's `batch_isend_irecv` return are

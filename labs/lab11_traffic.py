@@ -1,7 +1,7 @@
 """Lab 11 (traffic): the all-to-alls a rank issues, with their split sizes, counted at the process
 group: the bytes each one sends to the other ranks (its rows for itself stay, a local copy).
 
-Run:  nothing to run alone: labs/lab11_ulysses.py and labs/lab11_expert_check.py use it.
+A library of lab 11 (no main): labs/lab11_ulysses.py and labs/lab11_expert_check.py use it.
 
 `record_all_to_alls()` wraps `ProcessGroup.all_to_all_single` (every route of
 `dist.all_to_all_single` ends there) for the length of a block; the calls really run. It counts
