@@ -1,7 +1,8 @@
 """Lab 09 (the machine, for the planner): what the planner of labs/lab09_planner.py needs to know
 about this machine, measured in the same launch as the steps it is to predict.
 
-Run:  ./run.sh 09      (labs/lab09_mesh.py's run calls `measure_machine`; labs/lab12_plan.py too)
+A library of labs 09 and 12, with no main of its own: labs/lab09_mesh.py's run calls
+`measure_machine` (`./run.sh 09`), and labs/lab12_plan.py does too.
 
 `measure_machine` measures, on every rank: the FLOP/s of the dense stack's training step on a
 rank's share of the batch with every rank busy (`compute_step`), the all-reduce's alpha-beta fit

@@ -1,6 +1,6 @@
 """Lab 09 (what notebook 09 concludes): the notebook's tables and verdicts, computed from the
 launch's reports (labs/lab09_mesh.py, labs/lab09_sequence_parallel.py) and the planner, as typed
-results. A cell calls one of these, prints and plots; every verdict here can come out either way,
+results; a library of lab 09 (no main of its own). A cell calls one of these, prints and plots; every verdict here can come out either way,
 and tests/test_lab09_report.py feeds each the opposite case.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Lab 12 (what notebook 12 concludes): the notebook's tables and verdicts, computed from what its
-launches reported, as typed results. A cell calls one of these, prints and plots; every verdict
+launches reported, as typed results; a library of lab 12 (no main of its own). A cell calls one of these, prints and plots; every verdict
 here can come out either way, and tests/test_lab12_capstone.py feeds each the opposite case.
 
 Inputs are the launches' reports as the notebook holds them: `{rank: report}` of lab12_train,
