@@ -519,3 +519,55 @@ def test_check_reports_a_lab_that_does_not_import(tmp_path):
     assert status == 1
     assert [r.status for r in results] == ["failed"]
     assert "could not be loaded" in results[0].message and "SyntaxError" in results[0].message
+
+
+FAKE_TOOL = """#!{bash}
+echo "$*" >> "$FAKE_LOG.{name}"
+{body}
+exit 0
+"""
+
+
+@pytest.mark.parametrize("case", ["installs", "not-root", "unsafe"])
+def test_run_sh_grade_sets_up_bubblewrap_as_test_does(tmp_path, case):
+    """`./run.sh grade` follows `./run.sh test`'s rule (tests/test_foundation.py): bubblewrap is
+    installed quietly where it can be (root, apt-get), else grade stops before anything runs with
+    one line saying what to run; `--unsafe` (no sandbox) needs none. Fakes on a PATH that hides
+    the real tools."""
+    bash = shutil.which("bash")
+    root = tmp_path / "course"
+    (root / "labs").mkdir(parents=True)
+    shutil.copy(REPO / "run.sh", root / "run.sh")
+    shutil.copy(REPO / "requirements.txt", root / "requirements.txt")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "cat", "cksum", "mktemp", "tail", "rm", "chmod"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    (bin_dir / "id").write_text(f"#!{bash}\necho {'1000' if case == 'not-root' else '0'}\n")
+    (bin_dir / "apt-get").write_text(FAKE_TOOL.format(bash=bash, name="apt", body=(
+        'if [[ "$1" == install ]]; then printf "#!%s\\nexit 0\\n" "$BASH" > "$FAKE_BIN/bwrap"; '
+        'chmod +x "$FAKE_BIN/bwrap"; fi')))
+    python = tmp_path / "python"
+    python.write_text(FAKE_TOOL.format(bash=bash, name="python", body=""))
+    for path in [python, *bin_dir.iterdir()]:
+        path.chmod(0o755)
+    log = tmp_path / "log"
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "COURSE_PYTHON": str(python),
+           "FAKE_LOG": str(log), "FAKE_BIN": str(bin_dir)}
+    args = ["grade", "a.tar.gz", "--out", "grades"] + (["--unsafe"] if case == "unsafe" else [])
+    proc = subprocess.run([bash, str(root / "run.sh"), *args], cwd=root, capture_output=True,
+                          text=True, env=env, timeout=60)
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    apt = Path(f"{log}.apt").read_text().splitlines() if Path(f"{log}.apt").exists() else []
+    graded = "-m homework grade" in (Path(f"{log}.python").read_text()
+                                     if Path(f"{log}.python").exists() else "")
+    if case == "installs":
+        assert (proc.returncode, graded, apt) == (0, True, ["install -y -q bubblewrap"]), said
+        assert said == ["run.sh: installing bubblewrap with apt-get (grading sandboxes each "
+                        "submission with it)"], said
+    elif case == "not-root":
+        assert proc.returncode == 2 and not graded and apt == [], said
+        assert len(said) == 1 and "grading needs bubblewrap" in said[0] and \
+            "sudo apt-get install bubblewrap" in said[0] and "./run.sh grade again" in said[0], said
+    else:
+        assert (proc.returncode, graded, apt, said) == (0, True, [], []), said
