@@ -571,3 +571,154 @@ def test_run_sh_grade_sets_up_bubblewrap_as_test_does(tmp_path, case):
             "sudo apt-get install bubblewrap" in said[0] and "./run.sh grade again" in said[0], said
     else:
         assert (proc.returncode, graded, apt, said) == (0, True, [], []), said
+
+
+# ---------------------------------------------------------------------------- the splice
+def _fixture_lab() -> tuple[str, str]:
+    """(the course's student-edition lab 90, the instructor's solution without marker lines)."""
+    from homework.solutions import stub_python
+
+    source = (REPO / "tests" / "homework_fixtures" / "lab90_fixture.py").read_text()
+    solved = "\n".join(l for l in source.splitlines() if l.strip() not in (BEGIN, END)) + "\n"
+    return stub_python(source, "labs/lab90_fixture.py", "90_fixture.ipynb").text, solved
+
+
+def _swap(text: str, old: str, new: str) -> str:
+    assert old in text, old
+    return text.replace(old, new, 1)
+
+
+SUM_LINE = "    summed = [float(x) + float(y) for x, y in zip(a, b)]  # fixture solution, add_vectors\n"
+
+
+@pytest.mark.parametrize("case", [
+    "solved", "helpers", "instrument", "global", "import-in-block", "shadowing-helper", "syntax-error",
+    "missing-exercise", "stub-comment-kept", "line-above-the-block", "module-code", "signature",
+    "class-helper", "runtime-patch", "markers"])
+def test_splice_runs_only_the_exercises_and_the_students_own_helpers(case):
+    """What a careless or hostile submission does to a lab file, and what grading and check run:
+    the course's copy, the student's code in each exercise's place, the helpers they added under
+    new names; everything else reported, never run (homework.splice)."""
+    from homework.splice import splice
+
+    course, solved = _fixture_lab()
+    submitted = {
+        "solved": solved,
+        "helpers": _swap(solved, SUM_LINE, "    summed = [_add(x, y) for x, y in zip(a, b)]\n")
+        + "\n\nimport math\n\nEPSILON = 0.0\n\n\ndef _add(x, y):\n    return math.fsum([float(x), float(y), EPSILON])\n",
+        "instrument": _swap(solved, "    return x is y\n", "    return False\n"),
+        "global": _swap(solved, SUM_LINE, "    global same_list\n    same_list = lambda x, y: False\n" + SUM_LINE),
+        "import-in-block": _swap(solved, SUM_LINE, "    import math\n    summed = [math.fsum([x, y]) for x, y in zip(a, b)]\n"),
+        "shadowing-helper": solved + "\n\ndef same_list(x, y):\n    return False\n",
+        "syntax-error": solved + "\ndef broken(:\n",
+        "missing-exercise": _swap(solved, "def add_vectors(", "def add_vectors_renamed("),
+        "stub-comment-kept": _swap(solved, SUM_LINE, "    # Exercise: write your code here, in place of the raise below.\n" + SUM_LINE),
+        "line-above-the-block": _swap(solved, "    if len(a) != len(b):\n", "    print('debug')\n    if len(a) != len(b):\n"),
+        "module-code": solved + "\nRunningMean.push = lambda self, value: 0.0\nprint('imported')\n",
+        "signature": _swap(solved, "def add_vectors(a: list[float], b: list[float])", "def add_vectors(a, b=(1.0,))"),
+        "class-helper": _swap(_swap(solved, "        self.count += 1\n", "        self._bump()\n"),
+                              "    def push(self,", "    def _bump(self):\n        self.count += 1\n\n    def push(self,"),
+        "runtime-patch": _swap(solved, SUM_LINE, "    import labs.lab90_fixture as lab\n    lab.same_list = lambda x, y: False\n" + SUM_LINE),
+        "markers": (REPO / "tests" / "homework_fixtures" / "lab90_fixture.py").read_text(),
+    }[case]
+    done = splice("labs/lab90_fixture.py", course, submitted)
+    ast.parse(done.text)
+    namespace: dict = {}
+    exec(compile(done.text, "labs/lab90_fixture.py", "exec"), namespace)
+    add, mean, same = namespace["add_vectors"], namespace["RunningMean"](), namespace["same_list"]
+    first = [1, 2]
+    assert same(first, first), "the course's instrument ran"
+    notes = "\n".join(done.notes())
+    ours = {"yours"}
+    if case in ("solved", "helpers", "import-in-block", "stub-comment-kept", "class-helper", "markers",
+                "runtime-patch"):
+        assert set(done.exercises.values()) == ours and not notes, (done.exercises, notes)
+        assert case == "runtime-patch" or (add(first, [3, 4]) == [4.0, 6.0] and mean.push(2) == 2.0)
+    if case == "solved":
+        assert done.text == solved, "a file that changed only its exercises is run as it is"
+    elif case == "helpers":
+        assert done.helpers == ["math", "EPSILON", "_add"], done.helpers
+    elif case == "instrument":
+        assert "same_list (changed)" in notes and done.exercises["add_vectors"] == "yours"
+    elif case == "global":
+        assert done.exercises["add_vectors"].startswith("refused: it rebinds the course's `same_list` with `global`")
+        with pytest.raises(RuntimeError, match="grading did not run your add_vectors"):
+            add(first, [3, 4])
+    elif case == "shadowing-helper":
+        assert "a second definition of the course's same_list" in notes, notes
+    elif case == "syntax-error":
+        assert done.text == course and "does not parse (invalid syntax, line" in notes, notes
+        with pytest.raises(NotImplementedError):
+            add(first, [3, 4])
+    elif case == "missing-exercise":
+        assert done.exercises["add_vectors"].startswith("missing: not in the submitted file"), notes
+        assert "add_vectors_renamed" in done.helpers
+    elif case == "line-above-the-block":
+        assert "your line 13 `print('debug')`, above the course's code that precedes the exercise" in notes, notes
+        assert "print('debug')" not in done.text
+    elif case == "module-code":
+        assert "`RunningMean.push = lambda self, value: 0.0`: module-level code that is not a definition" in notes
+        assert "`print('imported')`" in notes and mean.push(4) == 4.0
+    elif case == "signature":
+        assert "the signature or decorators of add_vectors (yours differ)" in notes, notes
+    elif case == "class-helper":
+        assert done.helpers == ["RunningMean._bump"]
+    elif case == "runtime-patch":  # run (the splice cannot stop it) and flagged for review
+        assert len(done.review) == 1 and "assigns `lab.same_list`" in done.review[0], done.review
+
+
+def test_splice_folder_reports_renamed_missing_and_foreign_files(tmp_path):
+    """A lab renamed or left out is graded as not done, a file the course lacks never runs, a lab
+    without an exercise is the course's copy: each said in one line."""
+    from homework.splice import splice_folder
+
+    course, solved = _fixture_lab()
+    (tmp_path / "course").mkdir()
+    (tmp_path / "course" / "lab90_fixture.py").write_text(course)
+    (tmp_path / "course" / "lab89_helpers.py").write_text("def helper():\n    return 1\n")
+    submitted = {"labs/lab90_fixture_mine.py": solved.encode(),
+                 "labs/lab89_helpers.py": b"def helper():\n    return 2\n"}
+    splices, notes = splice_folder(tmp_path / "course", submitted, tmp_path / "out")
+    assert notes == [
+        "labs/lab89_helpers.py: a file without an exercise: the course's copy ran, not yours",
+        "labs/lab90_fixture.py: exercise add_vectors missing: the file is not in the submission "
+        "(graded as not done)",
+        "labs/lab90_fixture.py: exercise RunningMean.push missing: the file is not in the submission "
+        "(graded as not done)",
+        "labs/lab90_fixture_mine.py: not a file of the course: not used"], notes
+    assert (tmp_path / "out" / "lab89_helpers.py").read_text().endswith("return 1\n")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["lab89_helpers.py", "lab90_fixture.py"]
+
+
+def test_check_runs_what_grading_runs_and_says_where_in_the_students_file(student, tmp_path):
+    """In the student edition, check runs the course's own copy of each lab with the exercises
+    spliced in, as grading does: an instrument edited to hide a mistake changes nothing (the
+    test fails, and check lists what did not run), a helper of the student's own works, and a
+    location in a message is the line of the student's file, also when lines of it were dropped."""
+    out, _ = student
+    work = tmp_path / "edition"
+    shutil.copytree(out, work)
+    course, solved = _fixture_lab()
+    lab = work / "labs" / "lab90_fixture.py"
+    lab.write_text(_swap(_swap(solved, SUM_LINE + "    return summed\n",
+                               "    a[:] = [float(x) + float(y) for x, y in zip(a, b)]\n    return a\n"),
+                         "    return x is y\n", "    return False\n"))
+    lines: list[str] = []
+    results, status = run_check(work, "90", timeout=60, log=lines.append)
+    by_name = {r.exercise: r for r in results}
+    assert status == 1 and by_name["add_vectors"].status == "failed", results
+    assert "add_vectors returned its first input, changed: return a new list" in by_name["add_vectors"].message
+    assert ("  labs/lab90_fixture.py: not run (the course's own code ran instead): same_list (changed)"
+            in lines), lines
+    assert not list((work / "runs" / "homework").glob("tree-*")), "check's copy of the course is removed"
+    # a helper of the student's own; a dropped line above the exercise; a bug located in their file
+    mine = _swap(solved, SUM_LINE, "    summed = [_add(x, y) for x, y in zip(a, b)]\n")
+    mine = _swap(mine, "def add_vectors(", "print('dropped: module-level code')\n\n\ndef add_vectors(")
+    mine = _swap(mine, "        self.count += 1\n", "        self.count += [][0]  # a bug\n")
+    lab.write_text(mine + "\n\ndef _add(x, y):\n    return float(x) + float(y)\n")
+    bug = 1 + mine.splitlines().index("        self.count += [][0]  # a bug")
+    results, status = run_check(work, "90", timeout=60, log=lambda *a: None)
+    by_name = {r.exercise: r for r in results}
+    assert by_name["add_vectors"].status == "passed", by_name["add_vectors"]
+    assert by_name["RunningMean.push"].message.endswith(
+        f"at labs/lab90_fixture.py:{bug} `self.count += [][0]  # a bug`"), by_name["RunningMean.push"]
