@@ -179,6 +179,10 @@ def spliced_tree(root: Path, tree: Path) -> tuple[dict[str, Spliced], list[str]]
             (tree / path.name).symlink_to(path.resolve())
     submitted = {f"labs/{p.name}": p.read_bytes() for p in sorted((root / "labs").glob("*.py"))
                  if p.is_file()}
+    (tree / "labs").mkdir()
+    for path in (root / "labs").iterdir():  # data a lab reads, if any: .course/labs has modules only
+        if path.is_file() and path.suffix != ".py":
+            shutil.copyfile(path, tree / "labs" / path.name)
     return splice_folder(root / COURSE_LABS, submitted, tree / "labs")
 
 

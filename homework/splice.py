@@ -34,6 +34,7 @@ import ast
 import copy
 import difflib
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -582,6 +583,11 @@ def splice_folder(course: Path, submitted: dict[str, bytes], dest: Path) -> tupl
     ({"labs/x.py": data}) spliced in. Returns the splices of the labs that hold exercises and
     the notes about what of the submission was not used (one line each)."""
     dest.mkdir(parents=True, exist_ok=True)
+    for path in course.iterdir():  # what is not a lab module (data, folders): the course's
+        if path.is_dir() and path.name != "__pycache__":
+            shutil.copytree(path, dest / path.name, dirs_exist_ok=True)
+        elif path.is_file() and path.suffix != ".py":
+            shutil.copyfile(path, dest / path.name)
     splices: dict[str, Spliced] = {}
     notes: list[str] = []
     texts: dict[str, str | None] = {}
