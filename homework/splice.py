@@ -157,24 +157,24 @@ def _is_stub(node: ast.AST) -> bool:
             and node.exc.args[0].value.startswith(STUB_PREFIX))
 
 
-def _stub_path(function: ast.AST) -> list[tuple[ast.AST, str, int]] | None:
-    """Where the stub sits in `function`: [(node, body field, index), ...] from the function down
-    to the list that holds the stub (not inside a nested def), or None."""
-    def search(node: ast.AST) -> list | None:
-        for name in ("body", "orelse", "finalbody"):
+def _stub_paths(function: ast.AST) -> list[list[tuple[ast.AST, str, int]]]:
+    """Where the stubs sit in `function` (not inside a nested def), in order: for each, the
+    [(node, body field, index), ...] from the function down to the list that holds it."""
+    def search(node: ast.AST) -> list[list]:
+        found = []
+        for name in ("body", "orelse", "finalbody", "handlers"):
             for index, child in enumerate(getattr(node, name, None) or []):
                 if _is_stub(child):
-                    return [(node, name, index)]
-                if not _is_def(child):
-                    found = search(child)
-                    if found is not None:
-                        return [(node, name, index)] + found
-        for handler in getattr(node, "handlers", None) or []:
-            found = search(handler)
-            if found is not None:
-                return [(node, "handlers", node.handlers.index(handler))] + found
-        return None
+                    found.append([(node, name, index)])
+                elif not _is_def(child):
+                    found += [[(node, name, index)] + inner for inner in search(child)]
+        return found
     return search(function)
+
+
+def _stub_path(function: ast.AST) -> list[tuple[ast.AST, str, int]] | None:
+    paths = _stub_paths(function)
+    return paths[0] if paths else None
 
 
 def _root(node: ast.AST) -> str:
@@ -264,69 +264,120 @@ class _Splicer:
 
     # -- exercises
     def _exercise(self, course_fn: ast.AST, mine: ast.AST | None, name: str, aliases: set[str]) -> None:
-        path = _stub_path(course_fn)
-        if path is None:
+        """Put the submitted function's code in place of each stub of `course_fn` (an exercise
+        may have several blocks; those of one list are told apart by the course's statements
+        between them)."""
+        paths = _stub_paths(course_fn)
+        if not paths:
             return
-        node, field_name, index = path[-1]
-        stub = getattr(node, field_name)[index]
-        first = stub.lineno - 1 if stub.lineno >= 2 and \
-            self.course_lines[stub.lineno - 2].strip() == STUB_COMMENT else stub.lineno
-        last = stub.end_lineno
-        indent = stub.col_offset
-        if mine is None:
-            self.result.exercises[name] = "missing: not in the submitted file (graded as not done)"
-            return
-        if not isinstance(mine, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            self.result.exercises[name] = "missing: not a function in the submitted file (graded as not done)"
+        if mine is None or not isinstance(mine, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            self.result.exercises[name] = ("missing: not in the submitted file" if mine is None else
+                                           "missing: not a function in the submitted file") + \
+                " (graded as not done)"
             return
         if _header(course_fn) != _header(mine):
             self.result.unused.append(f"the signature or decorators of {name} (yours differ)")
-        # the submitted list that plays the stub's list's part
+        self.result.exercises[name] = "yours"
+        lists: dict[tuple[int, str], list] = {}  # one entry per list that holds stubs
+        for path in paths:
+            lists.setdefault((id(path[-1][0]), path[-1][1]), []).append(path)
+        for group in lists.values():
+            self._blocks(course_fn, mine, name, group, aliases)
+
+    def _stub_lines(self, stub: ast.AST) -> tuple[int, int, int]:
+        """(first, last, indent) of a stub: its raise, and the comment line above it."""
+        first = stub.lineno - 1 if stub.lineno >= 2 and \
+            self.course_lines[stub.lineno - 2].strip() == STUB_COMMENT else stub.lineno
+        return first, stub.end_lineno, stub.col_offset
+
+    def _blocks(self, course_fn: ast.AST, mine: ast.AST, name: str, paths: list, aliases: set[str]) -> None:
+        node, field_name, _ = paths[0][-1]
+        course_list = getattr(node, field_name)
+        stubs = sorted(path[-1][2] for path in paths)
+        spans = [self._stub_lines(course_list[k]) for k in stubs]
+        # the submitted list that plays this list's part
         theirs: ast.AST = mine
-        for outer, outer_field, outer_index in path[:-1]:
+        for outer, outer_field, outer_index in paths[0][:-1]:
             wanted = getattr(outer, outer_field)[outer_index]
             candidates = [c for c in (getattr(theirs, outer_field, None) or []) if _header(c) == _header(wanted)]
             if not candidates:
-                self._refuse(name, first, last, indent, "the course's code around the exercise's "
-                             "block is not in your function any more")
+                for first, last, indent in spans:
+                    self._refuse(name, first, last, indent, "the course's code around the exercise's "
+                                 "block is not in your function any more")
                 return
             theirs = candidates[0]
-        course_list = getattr(node, field_name)
         their_list = list(getattr(theirs, field_name, None) or [])
-        before, after = course_list[:index], course_list[index + 1:]
+        # the course's statements: before the first stub, between stubs, after the last
+        segments = [course_list[:stubs[0]]] + [course_list[a + 1:b] for a, b in zip(stubs, stubs[1:])] \
+            + [course_list[stubs[-1] + 1:]]
         start = 0
-        if before and _is_doc(before[0]) and node is course_fn:
-            before = before[1:]
+        if segments[0] and _is_doc(segments[0][0]) and node is course_fn:
+            segments[0] = segments[0][1:]
             if their_list and _is_doc(their_list[0]):
                 start = 1
         end = len(their_list)
-        # the course's statements after the block, matched from the end
-        matched_after = []
-        for statement in reversed(after):
+
+        def differs(statement: ast.AST) -> None:
+            self.result.unused.append(f"in {name}: the course's {self._describe(statement, '')} "
+                                      "(yours differs or is missing; the course's ran)")
+
+        for statement in reversed(segments[-1]):  # after the last block: matched from the end
             found = next((j for j in range(end - 1, start - 1, -1) if _same(their_list[j], statement)), None)
             if found is None:
-                self.result.unused.append(f"in {name}: the course's {self._describe(statement, '')} "
-                                          "(yours differs or is missing; the course's ran)")
-                continue
-            matched_after.append(found)
-            end = found
-        # the course's statements before the block, matched from the start
-        kept = start
-        for statement in before:
-            found = next((j for j in range(start, end) if _same(their_list[j], statement)), None)
+                differs(statement)
+            else:
+                end = found
+
+        def yours_outside(j: int) -> None:
+            self.result.unused.append(f"in {name}: your {self._describe_submitted(their_list[j], '')}, "
+                                      "between the course's statements around the exercise's code")
+
+        position = start
+        for statement in segments[0]:  # before the first block: matched from the start
+            found = next((j for j in range(position, end) if _same(their_list[j], statement)), None)
             if found is None:
-                self.result.unused.append(f"in {name}: the course's {self._describe(statement, '')} "
-                                          "(yours differs or is missing; the course's ran)")
+                differs(statement)
                 continue
-            for j in range(start, found):  # yours, above the course's statement: outside the block
-                self.result.unused.append(f"in {name}: your {self._describe_submitted(their_list[j], '')}, "
-                                          "above the course's code that precedes the exercise")
-            start = kept = found + 1
-        region = their_list[kept:end]
+            for j in range(position, found):
+                yours_outside(j)
+            position = found + 1
+        blocks: list[tuple[int, int] | None] = []  # each block's statements in their_list
+        block_start = position
+        for segment in segments[1:-1]:  # between two blocks
+            first_match = None
+            for statement in segment:
+                found = next((j for j in range(position, end) if _same(their_list[j], statement)), None)
+                if found is None:
+                    differs(statement)
+                    continue
+                if first_match is None:
+                    first_match = found
+                else:
+                    for j in range(position, found):
+                        yours_outside(j)
+                position = found + 1
+            if first_match is None:  # where one block ends and the next begins is not known
+                break
+            blocks.append((block_start, first_match))
+            block_start = position
+        blocks.append((block_start, end))
+        blocks += [None] * (len(spans) - len(blocks))
+        for bound, (first, last, indent) in zip(blocks, spans):
+            if bound is None:
+                self._refuse(name, first, last, indent, "the course's code between its blocks is not "
+                             "in your function any more")
+                continue
+            self._block(name, their_list, bound[0], their_list[bound[0]:bound[1]], first, last,
+                        indent, aliases)
+
+    def _block(self, name: str, their_list: list, index: int, region: list, first: int, last: int,
+               indent: int, aliases: set[str]) -> None:
+        """The submitted statements `region` (from their_list[index]) in place of the stub lines
+        first..last of the course's copy."""
         if region:
-            first_line = self._segment(their_list, kept)[0]
-            last_line = region[-1].end_lineno
-            text = self._reindent(self.lines[first_line - 1: last_line], region[0].col_offset, indent)
+            first_line = self._segment(their_list, index)[0]
+            text = self._reindent(self.lines[first_line - 1: region[-1].end_lineno],
+                                  region[0].col_offset, indent)
             while text and not text[0].strip():
                 text = text[1:]
         else:
@@ -339,12 +390,12 @@ class _Splicer:
             return
         self._review(region, f"in {name}", aliases)
         self._edit(first, last, text or [" " * indent + "pass"], name)
-        self.result.exercises[name] = "yours"
 
     def _refuse(self, name: str, first: int, last: int, indent: int, why: str) -> None:
         message = f"{self.path}: grading did not run your {name}: {why}"
         self._edit(first, last, [" " * indent + f"raise {REFUSED}({message!r})"], name)
-        self.result.exercises[name] = f"refused: {why}"
+        if not self.result.exercises.get(name, "").startswith("refused"):
+            self.result.exercises[name] = f"refused: {why}"
 
     # -- bodies
     def merge(self, course_body: list, their_body: list, prefix: str, may_add: bool,

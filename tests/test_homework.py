@@ -761,7 +761,8 @@ def test_splice_runs_only_the_exercises_and_the_students_own_helpers(case):
         assert done.exercises["add_vectors"].startswith("missing: not in the submitted file"), notes
         assert "add_vectors_renamed" in done.helpers
     elif case == "line-above-the-block":
-        assert "your line 13 `print('debug')`, above the course's code that precedes the exercise" in notes, notes
+        assert "your line 13 `print('debug')`, between the course's statements around the " \
+            "exercise's code" in notes, notes
         assert "print('debug')" not in done.text
     elif case == "module-code":
         assert "`RunningMean.push = lambda self, value: 0.0`: module-level code that is not a definition" in notes
@@ -772,6 +773,41 @@ def test_splice_runs_only_the_exercises_and_the_students_own_helpers(case):
         assert done.helpers == ["RunningMean._bump"]
     elif case == "runtime-patch":  # run (the splice cannot stop it) and flagged for review
         assert len(done.review) == 1 and "assigns `lab.same_list`" in done.review[0], done.review
+
+
+TWO_BLOCKS = f'''
+def scaled_sum(values, scale):
+    """Two blocks in one exercise, the course's code between them."""
+    if not values:
+        raise ValueError("no values")
+    {BEGIN}
+    total = sum(values)
+    {END}
+    checked = float(total)
+    {BEGIN}
+    return checked * scale
+    {END}
+'''
+
+
+def test_splice_puts_each_of_several_blocks_of_one_exercise_in_place():
+    """An exercise of two blocks: each gets the submitted code between the course's statements
+    around it; a submission without the course's statement between them gets neither guessed."""
+    from homework.solutions import stub_python
+    from homework.splice import splice
+
+    course = stub_python(TWO_BLOCKS, "labs/lab95_two.py").text
+    mine = TWO_BLOCKS.replace(f"    {BEGIN}\n", "").replace(f"    {END}\n", "")
+    mine = mine.replace("    total = sum(values)\n", "    total = 0\n    for v in values:\n        total += v\n")
+    done = splice("labs/lab95_two.py", course, mine)
+    assert done.text == mine and done.exercises == {"scaled_sum": "yours"}, done.text
+    namespace: dict = {}
+    exec(done.text, namespace)
+    assert namespace["scaled_sum"]([1, 2], 3) == 9.0
+    merged = splice("labs/lab95_two.py", course, mine.replace("    checked = float(total)\n", ""))
+    assert merged.exercises["scaled_sum"].startswith("refused: the course's code between its blocks")
+    assert "in scaled_sum: the course's `checked = float(total)` (yours differs or is missing" \
+        in "\n".join(merged.notes())
 
 
 def test_splice_folder_reports_renamed_missing_and_foreign_files(tmp_path):
