@@ -20,7 +20,8 @@ copy of the lab (.course/labs, homework.splice), else the lab's own stubs. A rec
 "labs/x.py:12 `code`", "traceback"}) in the launch's results
 folder (COURSE_RESULTS_DIR) in a rank, and an entry of `recorded()` elsewhere (a test's own
 process). A stub's NotImplementedError is not recorded (the stub says where it is); an exception
-is recorded once, at the innermost exercise it leaves; at most MAX_RECORDS per process.
+is recorded once, at the innermost exercise it leaves; a rank writes at most MAX_RECORDS per
+exercise, a process keeps the newest MAX_KEPT.
 
 Stdlib only (and homework.solutions, helpers.notice, helpers.config).
 """
@@ -38,10 +39,12 @@ from pathlib import Path
 from typing import Any
 
 CAUGHT_PREFIX = "caught.rank"
-MAX_RECORDS = 8            # per process: the first ones are the cause, the rest repeat it
+MAX_RECORDS = 8            # written per exercise by a rank: the first ones are the cause
+MAX_KEPT = 256             # records a process keeps in memory (the newest)
 MAX_TRACEBACK_CHARS = 20_000
 LAB_PACKAGE = "labs"
-_records: list[dict] = []  # this process's records (all of them; in a rank, also on disk)
+_records: list[dict] = []  # this process's records (the newest MAX_KEPT; in a rank, also on disk)
+_counts: dict[str, int] = {}
 _written = 0
 _installed = False
 
@@ -105,15 +108,17 @@ def _record(exc: BaseException, exercise: str, root: Path) -> None:
         exc._course_recorded = True
     except (AttributeError, TypeError):
         pass
-    if len(_records) >= MAX_RECORDS:
+    folder = _results_dir() if _rank() is not None else ""  # a rank of a launch: on disk too
+    _counts[exercise] = _counts.get(exercise, 0) + 1
+    if folder and _counts[exercise] > MAX_RECORDS:
         return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     record = {"time": time.time(), "rank": _rank(), "exercise": exercise,
               "line": exception_line(exc), "where": where(exc, root),
               "traceback": text[-MAX_TRACEBACK_CHARS:]}
     _records.append(record)
-    folder = _results_dir()
-    if folder and record["rank"] is not None:
+    del _records[:-MAX_KEPT]
+    if folder:
         path = Path(folder) / f"{CAUGHT_PREFIX}{record['rank']}.{_written}.json"
         _written += 1
         try:
