@@ -32,6 +32,7 @@ from homework.runner import DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, run_te
 from homework.splice import COURSE_LABS, Spliced, splice_folder, to_submitted
 
 RESULTS_FILE = "runs/homework/check-all.json"
+GLOO_PREFIX = re.compile(r"\[/[^\]\s]*\] ")  # gloo's source position in its messages: not the student's
 # how pytest names the error of a test whose launch failed (tests/conftest.py); its message says
 # the rest ("rank 1 raised ValueError: ... at labs/...")
 RANK_FAILURE = "tests.harness.RankFailure: "
@@ -140,7 +141,7 @@ def run_check(root: Path, lab: str | None = None, timeout: float = DEFAULT_TIMEO
     for result in results:
         text = STATUS_TEXT[result.status]
         detail = _stub_text(result.message) if result.status == "not_implemented" else \
-            result.message.removeprefix(RANK_FAILURE)
+            GLOO_PREFIX.sub("", result.message.removeprefix(RANK_FAILURE))
         log(f"{result.exercise:<{width}}  {text}" + (f": {detail}" if detail else ""))
     counts = {k: sum(r.status == k for r in results) for k in STATUS_TEXT}
     summary = ", ".join(f"{n} {STATUS_TEXT[k]}" for k, n in counts.items() if n)

@@ -181,10 +181,13 @@ def locate_failure(item, call, report) -> None:
         report.sections.append(("where the exercise raised", f"(not found: {type(exc).__name__}: {exc})"))
 
 
+_GLOO_PREFIX = re.compile(r"\[/[^\]\s]*\] ")  # gloo's source position: "[/__w/.../pair.cc:553] "
+
+
 def _locate_failure(item, call, report) -> None:
     if not report.failed or call.excinfo is None:
         return
-    text = report.longreprtext
+    text = _GLOO_PREFIX.sub("", report.longreprtext)  # as homework.watch writes the lines
     groups = list(_caught.get(Path(str(item.path)).resolve(), [])) + \
         [[dict(r, rank=None) for r in watch.recorded(since=call.start)]]
     for records in groups:

@@ -958,3 +958,31 @@ def test_watch_records_what_leaves_an_exercise_and_nothing_else(tmp_path):
         ("Region.backward", "IndexError: list index out of range", "labs/lab95_watched.py:7 `return grad[ctx]`"),
         ("Region.step", "ZeroDivisionError: division by zero", "labs/lab95_watched.py:13 `return 1 / value`")]
     assert module.Region.step.__doc__ == "An exercise in a method.", "functools.wraps keeps what inspect reads"
+
+
+def test_a_test_that_shows_a_later_ranks_gloo_error_is_located_at_the_first_exception(tmp_path):
+    """The experts case: rank 1's forward raised IndexError, the test's worker caught it and went
+    on, rank 0's forward then died of "Connection closed by peer" (gloo's source position in front
+    of the message) and the test shows that. The location added is rank 1's, where it raised."""
+    from types import SimpleNamespace
+
+    from tests import harness
+
+    script = (tmp_path / "test_lab11_experts.py").resolve()
+    index = {"time": 1.0, "rank": 1, "exercise": "ExpertParallelMoE.forward",
+             "line": "IndexError: list index out of range",
+             "where": "labs/lab11_experts.py:268 `routed[0][9]`", "traceback": "...\nIndexError: x"}
+    closed = {"time": 2.0, "rank": 0, "exercise": "ExpertParallelMoE.forward",
+              "line": "RuntimeError: Connection closed by peer [127.0.0.1]:14771.",
+              "where": "labs/lab11_experts.py:280 `dist.all_to_all_single(...)`", "traceback": "..."}
+    harness._caught[script] = [[closed, index]]
+    report = SimpleNamespace(failed=True, user_properties=[], sections=[], longreprtext=(
+        "Failed: group rank 0 (top-1): ExpertParallelMoE.forward raised RuntimeError: "
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+        "by peer [127.0.0.1]:14771. This is typically caused by a remote worker crashing."))
+    item = SimpleNamespace(path=script)
+    harness.locate_failure(item, SimpleNamespace(excinfo=object(), start=0.0), report)
+    assert report.user_properties == [("homework_where", "labs/lab11_experts.py:268 `routed[0][9]` "
+                                       "(rank 1 raised IndexError: list index out of range there first)")]
+    assert report.sections[0][1].startswith("IndexError: list index out of range in ExpertParallelMoE.forward")
+    del harness._caught[script]
