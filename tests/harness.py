@@ -134,6 +134,9 @@ def launch_ranks(script: str | os.PathLike, *args: Any, nproc: int = 2,
         caught = _remember(script, err.result.caught if err.result else [])
         return Ranks(None, _as_error(summary, err, shown), err.result.output if err.result else "",
                      partial=err.result.results if err.result else None, caught=caught)
+    except BaseException as exc:  # stopped (pytest-timeout's Failed): keep what the ranks raised
+        _remember(script, getattr(exc, "course_caught", []))
+        raise
     return Ranks(result.results, None, result.output, caught=_remember(script, result.caught))
 
 
@@ -193,6 +196,8 @@ def _locate_failure(item, call, report) -> None:
     for records in groups:
         records = sorted((r for r in records if r.get("where")), key=lambda r: r["time"])
         shown = [r for r in records if r.get("line") and r["line"] in text]
+        if not shown and "Timeout" in text and records and records[0]["time"] >= call.start:
+            shown = records[:1]  # the test timed out waiting for a launch in which this was raised
         if not shown:
             continue
         first = records[0]  # at or before the exception the failure shows
@@ -200,7 +205,7 @@ def _locate_failure(item, call, report) -> None:
             return
         if first["rank"] is None:
             where = first["where"]
-        elif first is shown[0] or first["line"] == shown[0]["line"]:
+        elif first["line"] in text:
             where = f"{first['where']} (rank {first['rank']} raised it first)"
         else:
             where = f"{first['where']} (rank {first['rank']} raised {first['line']} there first)"

@@ -356,19 +356,21 @@ def test_add_vectors_caught():
 '''
 
 
-@pytest.mark.parametrize("bug", ["rank 1 only", "every rank", "in the test process"])
+@pytest.mark.parametrize("bug", ["rank 1 only", "every rank", "in the test process", "a hang"])
 def test_check_locates_an_exception_the_test_caught(tmp_path, bug):
     """The course's test workers catch an exercise's exception, keep its message and go on; the
-    ranks fall out of step, or the test fails with the message alone. check's line still names
-    the file and line where the exercise raised and the rank that raised first (not rank 0's
-    gloo timeout when only rank 1 raised), with no change to the test file (homework.watch)."""
+    ranks fall out of step, or the test fails with the message alone, or times out waiting for
+    the launch. check's line still names the file and line where the exercise raised and the rank
+    that raised first (not rank 0's gloo timeout when only rank 1 raised), with no change to the
+    test file (homework.watch)."""
     lab = "90" if bug == "in the test process" else "91"
     root = make_course(tmp_path, labs=(lab,))
     for name in ("conftest.py", "harness.py"):
         shutil.copy(REPO / "tests" / name, root / "tests" / name)
     test = root / "tests" / "public" / f"test_lab{lab}_fixture.py"
-    test.write_text(CAUGHT_IN_PROCESS if lab == "90" else CAUGHT_TEST)
-    source = {"rank 1 only": RANK_ONE_ONLY, "every rank": EVERY_RANK}.get(bug)
+    test.write_text(CAUGHT_IN_PROCESS if lab == "90" else  # a hang: rank 0 waits past the test's timeout
+                    CAUGHT_TEST.replace('"5"', '"300"') if bug == "a hang" else CAUGHT_TEST)
+    source = {"rank 1 only": RANK_ONE_ONLY, "every rank": EVERY_RANK, "a hang": RANK_ONE_ONLY}.get(bug)
     path = root / "labs" / f"lab{lab}_fixture.py"
     if source is None:
         text = path.read_text()
@@ -376,7 +378,7 @@ def test_check_locates_an_exception_the_test_caught(tmp_path, bug):
     path.write_text(source)
     line = 1 + next(i for i, text in enumerate(source.splitlines()) if "BUG" in text)
     lines: list[str] = []
-    results, status = run_check(root, lab, timeout=120, log=lines.append)
+    results, status = run_check(root, lab, timeout=20 if bug == "a hang" else 120, log=lines.append)
     assert status == 1 and [r.status for r in results] == ["failed"], results
     shown = next(text for text in lines if text.startswith(results[0].exercise + " "))
     code = source.splitlines()[line - 1].strip()
@@ -385,6 +387,9 @@ def test_check_locates_an_exception_the_test_caught(tmp_path, bug):
     if bug == "rank 1 only":
         assert "rank 1 raised IndexError: list index out of range" in shown, shown
         assert "rank 0" not in shown.split(where)[0] or "there first" in shown, shown
+    elif bug == "a hang":
+        assert "Timeout (>20.0s) from pytest-timeout" in shown and \
+            "(rank 1 raised IndexError: list index out of range there first)" in shown, shown
     elif bug == "every rank":
         assert "TypeError: object of type 'float' has no len()" in shown and "raised it first" in shown, shown
     else:

@@ -197,8 +197,13 @@ def launch(
             # (pytorch/pytorch#135712): give every attempt a fresh one.
             child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         start = time.perf_counter()
-        returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream,
-                                                    warm_start=fork_ranks)
+        try:
+            returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream,
+                                                        warm_start=fork_ranks)
+        except BaseException as exc:  # interrupted (a test's timeout): what the ranks had raised
+            with contextlib.suppress(Exception):
+                exc.course_caught = _read_caught(results_dir)
+            raise
         seconds = time.perf_counter() - start
         if settings().launch_log:  # maintainers: where a test run's launches go
             with contextlib.suppress(OSError), open(settings().launch_log, "a") as log:
