@@ -211,10 +211,24 @@ def _locate_failure(item, call, report) -> None:
             where = f"{first['where']} (rank {first['rank']} raised {first['line']} there first)"
         if not any(key == WHERE_KEY for key, _ in report.user_properties):
             report.user_properties.append((WHERE_KEY, where))
-        frames = [line for line in first.get("traceback", "").splitlines() if line.strip()][-12:]
-        report.sections.append(("where the exercise raised", f"{first['line']} in {first['exercise']}"
-                                f", at {where}:\n" + "\n".join(frames)))
+        who = f"rank {first['rank']} raised" if first["rank"] is not None else "raised"
+        report.sections.append(("where the exercise raised", f"{who} {first['line']} first, in "
+                                f"{first['exercise']}, at {first['where']}:\n"
+                                + "\n".join(_traceback_tail(first.get("traceback", "")))))
         return
+
+
+def _traceback_tail(text: str, lines: int = 12) -> list[str]:
+    """The last lines of a recorded traceback, without homework.watch's own frame."""
+    kept, skipping = [], False
+    for line in text.splitlines():
+        if line.startswith("  File "):
+            skipping = line.rstrip().endswith("in exercise_function") and "watch.py" in line
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping and line.strip():
+            kept.append(line)
+    return kept[-lines:]
 
 
 def notebook_launches(name: str) -> contextlib.AbstractContextManager:

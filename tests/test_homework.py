@@ -989,5 +989,6 @@ def test_a_test_that_shows_a_later_ranks_gloo_error_is_located_at_the_first_exce
     harness.locate_failure(item, SimpleNamespace(excinfo=object(), start=0.0), report)
     assert report.user_properties == [("homework_where", "labs/lab11_experts.py:268 `routed[0][9]` "
                                        "(rank 1 raised IndexError: list index out of range there first)")]
-    assert report.sections[0][1].startswith("IndexError: list index out of range in ExpertParallelMoE.forward")
+    assert report.sections[0][1].startswith("rank 1 raised IndexError: list index out of range first, "
+                                            "in ExpertParallelMoE.forward, at labs/lab11_experts.py:268")
     del harness._caught[script]
