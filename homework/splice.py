@@ -172,9 +172,9 @@ def _stub_paths(function: ast.AST) -> list[list[tuple[ast.AST, str, int]]]:
     return search(function)
 
 
-def _stub_path(function: ast.AST) -> list[tuple[ast.AST, str, int]] | None:
-    paths = _stub_paths(function)
-    return paths[0] if paths else None
+def _is_main_guard(node: ast.AST) -> bool:
+    """`if __name__ == "__main__":`"""
+    return isinstance(node, ast.If) and "__main__" in ast.dump(node.test) and "__name__" in ast.dump(node.test)
 
 
 def _root(node: ast.AST) -> str:
@@ -435,7 +435,7 @@ class _Splicer:
                     if _header(node) != _header(mine):
                         self.result.unused.append(f"the bases or decorators of class {full} (yours differ)")
                     self.merge(node.body, mine.body, full + ".", True, aliases)
-                elif _stub_path(node) is not None:
+                elif _stub_paths(node):
                     self._exercise(node, mine, full, aliases)
                 else:  # a function that holds an exercise in a nested function
                     if mine is None or _header(node) != _header(mine):
@@ -506,6 +506,10 @@ class _Splicer:
                     at = _first_line(course_body[0]) if course_body else len(self.course_lines) + 1
                     self._edit(at, at - 1, lines + [""])
                     continue
+            elif _is_main_guard(course_body[where]):  # helpers run before the script's main()
+                at = _first_line(course_body[where])
+                self._edit(at, at - 1, lines + ["", ""])
+                continue
             else:
                 after = course_body[where].end_lineno
             self._edit(after + 1, after, lines if lines and not lines[0].strip() else [""] + lines)
@@ -572,7 +576,7 @@ def _exercises_in(node: ast.AST, prefix: str) -> list[tuple[ast.AST, str]]:
     """The exercise functions inside `node` (itself included), with their dotted names."""
     found = []
     name = f"{prefix}{node.name}"
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _stub_path(node) is not None:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _stub_paths(node):
         found.append((node, name))
     for child in ast.iter_child_nodes(node):
         if _is_def(child):
