@@ -84,18 +84,35 @@ def exception_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def where(exc: BaseException, root: Path) -> str:
-    """The innermost frame of `exc`'s traceback in root/labs: "labs/x.py:12 `code`", or ""."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        try:
-            path = Path(frame.filename).resolve().relative_to(root)
-        except (ValueError, OSError):
-            continue
-        if path.parts[0] == LAB_PACKAGE and path.suffix == ".py":
-            code = (frame.line or "").strip()
-            code = code if len(code) <= CODE_CHARS else code[: CODE_CHARS - 3] + "..."
-            return f"{path.as_posix()}:{frame.lineno}" + (f" `{code}`" if code else "")
-    return ""
+def _in_labs(filename: str, root: Path) -> str:
+    """"labs/x.py" for a file of root/labs, else ""."""
+    try:
+        path = Path(filename).resolve().relative_to(root)
+    except (ValueError, OSError):
+        return ""
+    return path.as_posix() if path.parts[0] == LAB_PACKAGE and path.suffix == ".py" else ""
+
+
+def _code(frame: traceback.FrameSummary) -> str:
+    code = (frame.line or "").strip()
+    code = code if len(code) <= CODE_CHARS else code[: CODE_CHARS - 3] + "..."
+    return f" `{code}`" if code else ""
+
+
+def where(exc: BaseException, root: Path, exercise: str = "") -> str:
+    """The innermost frame of `exc`'s traceback in root/labs, "labs/x.py:12 `code`", and when
+    that is not the exercise's own code (a course function it called), the exercise's line too:
+    "labs/x.py:408 `work = ...` (from ring_attention, line 298 `requests = ...`)"; or ""."""
+    frames = [(frame, rel) for frame in traceback.extract_tb(exc.__traceback__)
+              if (rel := _in_labs(frame.filename, root))]  # from the exercise inwards
+    if not frames:
+        return ""
+    inner, rel = frames[-1]
+    text = f"{rel}:{inner.lineno}{_code(inner)}"
+    own = frames[0][0]  # the exercise's own frame (its wrapper called it)
+    if len(frames) > 1 and exercise and own.name == exercise.rsplit(".", 1)[-1]:
+        text += f" (from {exercise}, line {own.lineno}{_code(own)})"
+    return text
 
 
 def _record(exc: BaseException, exercise: str, root: Path) -> None:
@@ -114,7 +131,7 @@ def _record(exc: BaseException, exercise: str, root: Path) -> None:
         return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     record = {"time": time.time(), "rank": _rank(), "exercise": exercise,
-              "line": exception_line(exc), "where": where(exc, root),
+              "line": exception_line(exc), "where": where(exc, root, exercise),
               "traceback": text[-MAX_TRACEBACK_CHARS:]}
     _records.append(record)
     del _records[:-MAX_KEPT]

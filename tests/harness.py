@@ -191,13 +191,15 @@ def _locate_failure(item, call, report) -> None:
     if not report.failed or call.excinfo is None:
         return
     text = _GLOO_PREFIX.sub("", report.longreprtext)  # as homework.watch writes the lines
-    groups = list(_caught.get(Path(str(item.path)).resolve(), [])) + \
-        [[dict(r, rank=None) for r in watch.recorded(since=call.start)]]
+    launches = _caught.get(Path(str(item.path)).resolve(), [])
+    groups = list(launches) + [[dict(r, rank=None) for r in watch.recorded(since=call.start)]]
     for records in groups:
+        last_launch = bool(launches) and records is launches[-1]
         records = sorted((r for r in records if r.get("where")), key=lambda r: r["time"])
         shown = [r for r in records if r.get("line") and r["line"] in text]
-        if not shown and "Timeout" in text and records and records[0]["time"] >= call.start:
-            shown = records[:1]  # the test timed out waiting for a launch in which this was raised
+        if not shown and "Timeout" in text and records and last_launch:
+            shown = records[:1]  # timed out waiting for a launch in which this was raised (the
+            # test whose setup ran it, and the next ones, which pytest gives the same error)
         if not shown:
             continue
         first = records[0]  # at or before the exception the failure shows

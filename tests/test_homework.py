@@ -905,9 +905,9 @@ def test_a_failed_launch_names_the_exception_raised_first():
                           "    [][0]\nIndexError: list index out of range\n")
     assert _first_cause([timeout], [index], "")[:2] == (1, index.text)
     assert _first_cause([timeout], [], "")[0] == 0
-    rank, text, exercise = _first_cause([], [], ROOT_CAUSE)
+    rank, text, exercise, summary = _first_cause([], [], ROOT_CAUSE)
     assert (rank, exercise) == (2, "")
-    assert _raised(text) == "RuntimeError: Connection closed by peer [127.0.0.1]:52652"
+    assert _raised(text) == summary == "RuntimeError: Connection closed by peer [127.0.0.1]:52652"
     assert _first_cause([], [], "no summary here") is None
 
 

@@ -226,23 +226,26 @@ def launch(
         return result
     if check and (returncode != 0 or reason):
         cause = _first_cause(errors, caught, output)
-        rank, summary, frames = (cause[0], _raised(cause[1]), lab_frames(cause[1])) if cause else \
+        rank, summary, frames = (cause[0], cause[3], lab_frames(cause[1])) if cause else \
             (None, reason, [])
         raise LaunchError(_failure_message(result, reason, errors, cause), result, rank, summary, frames)
     return result
 
 
 def _first_cause(errors: list[tuple[float, int, str]], caught: list[RankException], output: str
-                 ) -> tuple[int, str, str] | None:
-    """(rank, traceback, exercise or "") of what went wrong first: the earliest of the ranks' error
-    records and of the exceptions their exercises raised (a test may catch one and go on, until
-    the ranks fall out of step and another rank dies of a timeout: that rank's error is not the
-    cause); without either, torchrun's "Root Cause" from the output; None when there is none."""
-    found = [(stamp, rank, text, "") for stamp, rank, text in errors] + \
-        [(c.time, c.rank, c.text, c.exercise) for c in caught]
+                 ) -> tuple[int, str, str, str] | None:
+    """(rank, traceback, exercise or "", its line and where in the labs) of what went wrong
+    first: the earliest of the ranks' error records and of the exceptions their exercises raised
+    (a test may catch one and go on, until the ranks fall out of step and another rank dies of a
+    timeout: that rank's error is not the cause); without either, torchrun's "Root Cause" from
+    the output; None when there is none."""
+    found = [(stamp, rank, text, "", _raised(text)) for stamp, rank, text in errors] + \
+        [(c.time, c.rank, c.text, c.exercise, f"{c.line} at {c.where}" if c.line and c.where
+          else c.summary) for c in caught]
     if found:
         return min(found, key=lambda item: item[0])[1:]
-    return _root_cause(output)
+    root = _root_cause(output)
+    return (*root, _raised(root[1])) if root else None
 
 
 # torchrun's failure summary: "Root Cause (first observed failure):", then "  rank      : 0 ...",
@@ -467,14 +470,14 @@ def _read_errors(folder: Path) -> list[tuple[float, int, str]]:
 
 
 def _failure_message(result: LaunchResult, reason: str, errors: list[tuple[float, int, str]],
-                     cause: tuple[int, str, str] | None) -> str:
+                     cause: tuple[int, str, str, str] | None) -> str:
     head = f"{result.script} on {result.nproc} rank(s) "
     head += reason if reason else f"failed with exit code {result.returncode}"
     head += f" after {result.seconds:.1f} s"
     if cause:
-        rank, text, exercise = cause  # the first rank to fail is the cause; the others followed it
+        rank, text, exercise, summary = cause  # the first rank to fail is the cause; the others followed
         tail = "\n".join(text.strip().splitlines()[-25:])
-        message = f"{head}: rank {rank} raised {_raised(text)}"
+        message = f"{head}: rank {rank} raised {summary}"
         if exercise:  # raised in an exercise and caught by its caller, which went on
             message += f" (in {exercise}; its caller went on)"
         message += f"\n--- rank {rank} traceback (end) ---\n{tail}"
