@@ -151,13 +151,16 @@ def _remember(script: Path, caught: list) -> list[dict]:
     return records
 
 
-def _as_error(summary: str, err, script: str) -> BaseException:
+def _as_error(summary: str, err, script: str | None = None) -> BaseException:
     """The stub's Unsolved, or a RankFailure whose first line names the rank, its exception and
-    where in the labs it was raised, followed by the last frames of its traceback in the labs."""
+    where in the labs it was raised, followed by the last frames of its traceback in the labs.
+    `script`: the test file launched (default: the launch's own script)."""
     unsolved = Unsolved(summary.split("NotImplementedError: ", 1)[1]) \
         if "NotImplementedError: Exercise " in summary else None
     if unsolved:
         return unsolved
+    if script is None:
+        script = err.result.script if err.result else "?"
     message = f"{summary} (launch of {script})"
     frames = getattr(err, "frames", [])[-SHOWN_FRAMES:]
     if frames:

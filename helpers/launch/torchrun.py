@@ -225,11 +225,21 @@ def launch(
               file=sys.stderr, flush=True)
         return result
     if check and (returncode != 0 or reason):
-        cause = _first_cause(errors, caught, output)
-        rank, summary, frames = (cause[0], cause[3], lab_frames(cause[1])) if cause else \
-            (None, reason, [])
-        raise LaunchError(_failure_message(result, reason, errors, cause), result, rank, summary, frames)
+        rank, summary, frames = _first_error(errors, reason, caught, output)
+        raise LaunchError(_failure_message(result, reason, errors, _first_cause(errors, caught, output)),
+                          result, rank, summary, frames)
     return result
+
+
+def _first_error(errors: list[tuple[float, int, str]], reason: str,
+                 caught: Sequence[RankException] = (), output: str = ""
+                 ) -> tuple[int | None, str, list[str]]:
+    """(the rank that failed first, its exception's last line + where in labs/, its labs/ frames),
+    or (None, `reason`, []) when no rank is known to have failed (see _first_cause)."""
+    cause = _first_cause(errors, list(caught), output)
+    if cause is None:
+        return None, reason, []
+    return cause[0], cause[3], lab_frames(cause[1])
 
 
 def _first_cause(errors: list[tuple[float, int, str]], caught: list[RankException], output: str
