@@ -117,15 +117,15 @@ def run_check(root: Path, lab: str | None = None, timeout: float = DEFAULT_TIMEO
             log(f"  {STATUS_TEXT.get(outcome.outcome, outcome.outcome):<20} {outcome.nodeid}")
 
     tree, splices = root, {}
-    if (root / COURSE_LABS).is_dir():  # the student edition: run what grading runs
-        tree = log_dir / f"tree-{os.getpid()}"
-        splices, not_run = spliced_tree(root, tree)
-        if not_run:
-            log("Not run from your labs (the checks, like grading, run the course's own code around "
-                "your exercises and the helpers you added):")
-            for text in not_run:
-                log(f"  {text}")
     try:
+        if (root / COURSE_LABS).is_dir():  # the student edition: run what grading runs
+            tree = log_dir / f"tree-{os.getpid()}"
+            splices, not_run = spliced_tree(root, tree)
+            if not_run:
+                log("Not run from your labs (the checks, like grading, run the course's own code "
+                    "around your exercises and the helpers you added):")
+                for text in not_run:
+                    log(f"  {text}")
         run = run_tests(Direct(tree), files, timeout=timeout, deadline=deadline, log_path=log_path,
                         on_outcome=progress)
     finally:
@@ -212,7 +212,8 @@ def debug_command(root: Path, test_file: str, lab: str | None) -> str:
 
 
 def inputs_hash(root: Path) -> str:
-    """What the public checks depend on that a student changes: labs/*.py and tests/public/*.py."""
+    """What the public checks depend on that a student changes: labs/*.py and tests/public/*.py
+    (and the course's copy of the labs, .course/labs, which an update changes)."""
     digest = hashlib.sha256()
     for folder, pattern in (("labs", "*.py"), ("tests/public", "*.py"), (COURSE_LABS, "*.py")):
         for path in sorted((root / folder).glob(pattern)):
