@@ -488,8 +488,8 @@ def _failure_message(result: LaunchResult, reason: str, errors: list[tuple[float
         rank, text, exercise, summary = cause  # the first rank to fail is the cause; the others followed
         tail = "\n".join(text.strip().splitlines()[-25:])
         message = f"{head}: rank {rank} raised {summary}"
-        if exercise:  # raised in an exercise and caught by its caller, which went on
-            message += f" (in {exercise}; its caller went on)"
+        if exercise:  # recorded as it left the exercise (its caller may have caught it)
+            message += f" (in {exercise})"
         message += f"\n--- rank {rank} traceback (end) ---\n{tail}"
         later = [(r, t) for _, r, t in errors if r != rank]  # what the others died of
         if exercise and later:
