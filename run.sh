@@ -135,13 +135,21 @@ install_notebook_filter() {
   echo "run.sh: installed the nbstripout git filter: notebook outputs, and the metadata JupyterLab rewrites, never show as changes"
 }
 
-# The grading tests (instructor edition: tests/test_homework_grading.py) sandbox submissions with
-# bubblewrap, one OS package: `./run.sh test` installs it where it can (as root, with apt-get or
-# dnf), quietly but for one line, and otherwise stops before any test with the command to run.
+# Grading sandboxes each submission with bubblewrap, one OS package, and so do the grading tests
+# (instructor edition: tests/test_homework_grading.py): `./run.sh grade` (unless --unsafe) and
+# `./run.sh test` install it where they can (as root, with apt-get or dnf), quietly but for one
+# line, and otherwise stop before anything runs with the command to run. One rule for both.
 GRADING_TESTS="tests/test_homework_grading.py"
 INSTALL_BWRAP="sudo apt-get install bubblewrap (Debian, Ubuntu) or sudo dnf install bubblewrap (Fedora)"
 ensure_bubblewrap() {
-  [[ -f "$GRADING_TESTS" ]] || return 0  # the student edition has no grading tests
+  local who why
+  if [[ "$cmd" == test ]]; then
+    [[ -f "$GRADING_TESTS" ]] || return 0  # the student edition has no grading tests
+    who="the grading tests need bubblewrap (bwrap)"; why="the grading tests sandbox submissions with it"
+  else
+    who="grading needs bubblewrap (bwrap) to sandbox each submission (or --unsafe, on a throwaway machine only)"
+    why="grading sandboxes each submission with it"
+  fi
   command -v bwrap >/dev/null 2>&1 && return 0
   local manager="" log
   if [[ "$(id -u)" == "0" ]]; then
@@ -150,11 +158,11 @@ ensure_bubblewrap() {
     fi
   fi
   if [[ -z "$manager" && "$(id -u)" != "0" ]]; then
-    die "the grading tests need bubblewrap (bwrap), which is missing; installing it needs root: run $INSTALL_BWRAP, then ./run.sh test again"
+    die "$who, which is missing; installing it needs root: run $INSTALL_BWRAP, then ./run.sh $cmd again"
   elif [[ -z "$manager" ]]; then
-    die "the grading tests need bubblewrap (bwrap), which is missing, and neither apt-get nor dnf is here to install it: install the OS package bubblewrap (e.g. $INSTALL_BWRAP), then ./run.sh test again"
+    die "$who, which is missing, and neither apt-get nor dnf is here to install it: install the OS package bubblewrap (e.g. $INSTALL_BWRAP), then ./run.sh $cmd again"
   fi
-  echo "run.sh: installing bubblewrap with $manager (the grading tests sandbox submissions with it)"
+  echo "run.sh: installing bubblewrap with $manager ($why)"
   log="$(mktemp)"
   if [[ "$manager" == apt-get ]]; then
     # the package lists may be missing or stale (fresh containers): update them if the first try fails
@@ -166,7 +174,7 @@ ensure_bubblewrap() {
   if ! command -v bwrap >/dev/null 2>&1; then
     tail -n 5 "$log" >&2
     rm -f "$log"
-    die "installing bubblewrap with $manager failed ($manager's last lines above): run $INSTALL_BWRAP, then ./run.sh test again"
+    die "installing bubblewrap with $manager failed ($manager's last lines above): run $INSTALL_BWRAP, then ./run.sh $cmd again"
   fi
   rm -f "$log"
 }
@@ -184,6 +192,9 @@ except SandboxUnavailable as exc:
 }
 
 if [[ "$cmd" == test ]]; then ensure_bubblewrap; fi
+if [[ "$cmd" == grade && " $* " != *" --unsafe "* && " $* " != *" -h "* && " $* " != *" --help "* ]]; then
+  ensure_bubblewrap
+fi
 find_python
 install_notebook_filter
 export COURSE_PYTHON="$PY"

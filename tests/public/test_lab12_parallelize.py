@@ -374,7 +374,8 @@ def hints(name: str, error: str) -> str:
                 "tensor-parallel activations was left out of the plan (the norms: SequenceParallel(); "
                 "the output layer: ColwiseParallel(input_layouts=Shard(1), ...)), or its input "
                 "layout does not match what the previous layer returns.")
-    if error.startswith("parallelize raised"):
+    if error.startswith("parallelize raised") and any(
+            word in error for word in ("DTensor", "mesh", "Mesh", "placement", "fully_shard", "FSDP")):
         out += (" Apply tensor parallelism first (parallelize_module on mesh['tp']), then "
                 "checkpointing, then fully_shard(..., mesh=mesh['dp']) per block and at the root: "
                 "fully_shard without mesh= shards over every rank, which torch refuses for "
