@@ -31,7 +31,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers import pick
-from helpers.dist import DistContext, distributed
+from helpers.dist import DistContext, distributed, new_group
 from helpers.show import table
 from helpers.tensors import ddp_device_ids, nbytes, seeded
 from labs.lab03_ddp import flat_grads, global_batch, local_shard
@@ -85,7 +85,7 @@ def batchnorm_case(ctx: DistContext, local_batch: int, steps: int) -> dict:
     mine = local_shard(x, ctx.rank, ctx.world_size), local_shard(y, ctx.rank, ctx.world_size)
     reference = bn_model(nn.BatchNorm1d(16)).to(ctx.device)
     nn.functional.mse_loss(reference(x), y).backward()
-    group = dist.new_group()  # its own group: the statistics' all-reduces never mix with DDP's
+    group = new_group(name="batchnorm statistics")  # its own: never mixed with DDP's all-reduces
     norms = {"BatchNorm1d": lambda: nn.BatchNorm1d(16),
              "CrossRankBatchNorm": lambda: CrossRankBatchNorm(16, group)}
     if ctx.device.type == "cuda":  # GPU only: SyncBatchNorm refuses CPU tensors

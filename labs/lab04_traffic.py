@@ -27,7 +27,7 @@ from helpers import pick
 from helpers.bench import measure
 from helpers.comm_bench import MiB, busbw, lecture_bandwidth, slowest
 from helpers.comm_count import count_p2p
-from helpers.dist import DistContext, distributed
+from helpers.dist import DistContext, distributed, new_group
 from helpers.show import table
 from labs.lab04_ring import ring_all_reduce, ring_check, ring_unsolved
 
@@ -93,7 +93,7 @@ def _test_tensor(rank: int, numel: int, device: torch.device) -> torch.Tensor:
 def prefix_groups(world_size: int) -> dict[int, dist.ProcessGroup]:
     """{N: the group of ranks 0..N-1} for N = 2..world_size. Every rank must call it (new_group is
     collective, members or not); make them once, they are reused by every measurement."""
-    return {n: dist.new_group(list(range(n))) for n in range(2, world_size + 1)}
+    return {n: new_group(list(range(n)), name=f"first {n} ranks") for n in range(2, world_size + 1)}
 
 
 def count_traffic(rank: int, groups: dict, device: torch.device, numel: int,

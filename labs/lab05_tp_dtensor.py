@@ -18,11 +18,11 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from helpers import pick
-from helpers.dist import DistContext, distributed
+from helpers.dist import DistContext, device_mesh, distributed
 from helpers.notice import attempt
 from helpers.show import table
 from labs.lab05_tensor_parallel import dense_mlp, megatron_mlp, sample_batch
@@ -46,7 +46,7 @@ def compare_with_ours(ctx: DistContext, batch: int, seq: int, d_model: int, d_ff
     DTensor parameters against ours and the forward outputs (no backward needed); then (`training`,
     once our backward passes are written) max |difference| of input grads, every parameter's local
     gradient (first step) and local parameters after `steps` SGD steps."""
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mesh = device_mesh(ctx.device, tp=ctx.world_size)
     dense = dense_mlp(d_model, d_ff, dtype=dtype, device=ctx.device)
     ours, theirs = megatron_mlp(dense), dtensor_mlp(dense, mesh)
     x, target = sample_batch(batch, seq, d_model, seed=2, dtype=dtype, device=ctx.device)

@@ -50,7 +50,7 @@ from helpers import pick
 from helpers.accounting import backend_released, held_bytes
 from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import all_gather_single, reduce_scatter_single
-from helpers.dist import DistContext, distributed
+from helpers.dist import DistContext, distributed, new_group
 from helpers.show import table
 from helpers.tensors import divide
 from labs.lab07_memory import make_blocks
@@ -405,7 +405,7 @@ def run(ctx: DistContext, sizes: list[int] | None = None) -> dict[int, list[dict
     model, batches, reference, shape = problem()
     runs = {}
     for n in sizes:
-        group = None if n == ctx.world_size else dist.new_group(list(range(n)))  # every rank calls
+        group = None if n == ctx.world_size else new_group(list(range(n)), name=f"first {n} ranks")
         if ctx.rank < n:
             runs[n] = [run_stage(stage, model, batches, reference, ctx.device, group)
                        for stage in STAGES]

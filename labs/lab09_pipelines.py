@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import pick
-from helpers.dist import DistContext, distributed
+from helpers.dist import DistContext, distributed, new_group
 from helpers.show import table
 from labs.lab06_pipelining_api import (LOSS_RTOL, PARAM_ATOL, LMConfig, TinyLM, build_model, lm_loss,
                                        make_token_batches, max_param_diff, train_reference)
@@ -106,7 +106,8 @@ def train(ctx: DistContext, name: str, config: LMConfig, group=None) -> dict:
 def run(ctx: DistContext) -> dict:
     """Both schedules on ranks 0 and 1 against single-process training of the same model on the
     same batches; other ranks (if any) only join the group's creation."""
-    group = None if ctx.world_size == PIPELINE_RANKS else dist.new_group(list(range(PIPELINE_RANKS)))
+    group = (None if ctx.world_size == PIPELINE_RANKS
+             else new_group(list(range(PIPELINE_RANKS)), name="pipeline"))
     if ctx.rank >= PIPELINE_RANKS:
         return {"idle": True}
     p = PIPELINE_RANKS      # ZB-V needs at least 2p - 1 micro-batches: take 2p

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 from helpers import pick
-from helpers.dist import distributed
+from helpers.dist import distributed, new_group
 from helpers.show import table
 from helpers.tensors import ddp_device_ids, divide, seeded
 
@@ -185,7 +185,7 @@ def all_gather_backward(rank: int, world_size: int) -> dict:
     """Each rank's block's gradient of the sum of every rank's loss, three ways, against one
     process that computes that sum itself: the largest |difference| over the ranks, per way.
     On a gloo group and CPU tensors even on a GPU machine (nccl takes another path in torch)."""
-    group = dist.new_group(backend="gloo")
+    group = new_group(name="all_gather backward", backend="gloo")
     blocks = [torch.randn(BHSD, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
     reference = [b.clone().requires_grad_() for b in blocks]
     sum(gathered_loss(reference, r) for r in range(world_size)).backward()

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from helpers import pick
-from helpers.dist import distributed, error_line
+from helpers.dist import distributed, error_line, new_group
 from helpers.flight_recorder import flight_recorder_size, flight_records
 from helpers.launch import LaunchError, LaunchResult, launch
 from helpers.show import table
@@ -166,26 +166,25 @@ def run_case(rank: int, fn, group) -> dict:
             "flight": flight_records(group)}
 
 
-def make_group(level: str):
+def make_group(name: str, level: str):
     """A fresh gloo group of every rank that gives up after CASE_TIMEOUT_S. DETAIL wraps the group
     in a checker (at creation: the debug level is read then), whose own barrier uses the group's
     timeout. Gloo and CPU tensors even on a GPU machine: on nccl a timed-out collective makes the
     watchdog tear the whole process down (TORCH_NCCL_ASYNC_ERROR_HANDLING), so no job survives it."""
-    timeout = datetime.timedelta(seconds=CASE_TIMEOUT_S)
     if level == "DETAIL":
         dist.set_debug_level(dist.DebugLevel.DETAIL)
         try:
-            return dist.new_group(timeout=timeout, backend="gloo")
+            return new_group(name=name, backend="gloo", timeout_s=CASE_TIMEOUT_S)
         finally:
             dist.set_debug_level(dist.DebugLevel.OFF)
-    group = dist.new_group(backend="gloo")  # connects with the default timeout (a busy machine)
-    _set_pg_timeout(timeout, group)  # then short, for the planted hang
+    group = new_group(name=name, backend="gloo")  # connects within DIST_TIMEOUT (a busy machine)
+    _set_pg_timeout(datetime.timedelta(seconds=CASE_TIMEOUT_S), group)  # then short, for the hang
     return group
 
 
 def hang_clinic(rank: int) -> dict:
     """Every case at once, each in a thread on its own group; returns this rank's record per case."""
-    groups = {name: make_group(level) for name, (_, level) in CASES.items()}  # same order everywhere
+    groups = {name: make_group(name, level) for name, (_, level) in CASES.items()}  # same order everywhere
     dist.barrier()
     with ThreadPoolExecutor(len(CASES)) as pool:
         futures = {name: pool.submit(run_case, rank, CASES[name][0], groups[name]) for name in CASES}
@@ -196,10 +195,10 @@ def hang_clinic(rank: int) -> dict:
 
 def detail_overhead(calls: int) -> dict:
     """Seconds per small all-reduce on a plain group and on a DETAIL group (median of 3 rounds)."""
-    plain = dist.new_group(backend="gloo")
+    plain = new_group(name="plain", backend="gloo")
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     try:
-        checked = dist.new_group(backend="gloo")
+        checked = new_group(name="DETAIL", backend="gloo")
     finally:
         dist.set_debug_level(dist.DebugLevel.OFF)
     x = torch.ones(16)

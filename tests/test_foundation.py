@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -20,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.dist import choose_backend, distributed, timeout_seconds
+from helpers.dist import choose_backend, distributed, new_group, timeout_seconds
 from helpers.launch import REPO_ROOT, LaunchError, launch
 from labs.lab00_orientation import expected_sum
 
@@ -91,6 +92,28 @@ def test_single_process_without_torchrun(monkeypatch):
         dist.all_reduce(x)
         assert x.item() == 2.0
     assert not dist.is_initialized()
+
+
+def test_every_group_gets_dist_timeout_and_a_name(monkeypatch):
+    """Groups made without a timeout (a bare `dist.new_group`, those torch makes inside a
+    DeviceMesh or FSDP) get DIST_TIMEOUT, not torch's 30 minutes, while the process group is up;
+    torch's default comes back after; `new_group` needs a name."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DIST_TIMEOUT", "7")
+    c10d = dist.distributed_c10d
+    before = c10d.default_pg_timeout
+    with distributed():
+        bare, named = dist.new_group([0]), new_group([0], name="checksums")
+        for group in (bare, named):
+            dist.all_reduce(torch.ones(1), group=group)
+        seen = {entry["process_group"][1]: entry["timeout_ms"] for entry in
+                pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))["entries"]}
+        assert seen[named.group_desc] == seen[bare.group_desc] == 7000, seen
+        assert named.group_desc == "checksums"
+        with pytest.raises(ValueError, match="name"):
+            new_group([0], name="")
+    assert c10d.default_pg_timeout == before
 
 
 # ---- the launcher -----------------------------------------------------------------------------
@@ -182,17 +205,26 @@ IndexError: tuple index out of range
     assert isinstance(_as_error(f"rank 0 raised {stub.splitlines()[-1]}", error), Unsolved)
 
 
-def test_rank_that_never_joins_times_out_and_leaves_nothing():
+@pytest.mark.parametrize("where, nproc, rank, named", [
+    ("subgroup", 2, 0, "group 'checksums' (ranks [0, 1])"),
+    ("mesh", 4, 2, "the mesh's 'tp' dimension (ranks [2, 3])"),
+], ids=["sub-group", "mesh dimension"])
+def test_rank_that_never_joins_times_out_naming_the_group_and_leaves_nothing(where, nproc, rank, named):
+    """The last rank never joins a collective of a group made by helpers.dist (a sub-group; a
+    mesh's tp dimension): its partner fails after DIST_TIMEOUT, not torch's 30 minutes, and the
+    launcher's message names that rank, the collective and the group."""
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        launch(SCRIPTS / "hang_rank.py", nproc=2, timeout=120, stream=False,
-               env={"DIST_TIMEOUT": "10"})
+        launch(SCRIPTS / "hang_rank.py", "--in", where, nproc=nproc, timeout=120, stream=False,
+               env={"DIST_TIMEOUT": "4"})
     elapsed = time.monotonic() - start
     result = info.value.result
-    assert 10 <= elapsed < 60, f"took {elapsed:.1f} s"
-    assert "rank 0 raised" in str(info.value)  # rank 0 waited in the all-reduce and timed out
+    assert 4 <= elapsed < 60, f"took {elapsed:.1f} s"
+    assert info.value.rank == rank, str(info.value)
+    assert f"rank {rank} raised RuntimeError: rank {rank} waited 4 s in all_reduce #2 of {named}" \
+        in str(info.value), str(info.value)
     pids = [r["pid"] for r in result.results.values()]
-    assert len(pids) == 2
+    assert len(pids) == nproc
     assert_all_gone(pids)
 
 
