@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -473,6 +474,17 @@ def test_run_sh_test_sets_up_bubblewrap_or_stops_in_one_line(tmp_path, case):
                "sandbox here: setting up uid map: Permission denied" in said[0], said
 
 
+def test_a_labs_bad_flag_is_refused_before_any_rank_starts(capsys, monkeypatch):
+    """./run.sh labs/lab03_ddp.py --depth x: one line naming the lab and the flag, exit 2, and no
+    launch (the flags are the lab's run description's, checked in the launching process)."""
+    from helpers.launch import cli
+
+    monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail("a launch started"))
+    assert cli.main(["script", "labs/lab03_ddp.py", "--depth", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["run.sh: lab03_ddp.py: argument --depth: invalid int value: 'x' (--help lists its flags)"], err
+
+
 def test_run_sh_help_lists_commands():
     proc = run_sh("--help", timeout=30)
     assert proc.returncode == 0
@@ -537,6 +549,99 @@ def test_readme_is_a_students_page_with_the_settings_table_from_config():
     assert len(readme.encode()) <= 14_000, f"README.md is {len(readme.encode())} bytes; keep it a student's page"
     for name in sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("*.ipynb")):
         assert f"`{name}`" in readme, f"README.md's table of notebooks has no row for {name}"
+
+
+# The course's own names for settings (helpers/config.py); torch's and torchrun's (TORCH_*,
+# TORCHELASTIC_*, OMP_NUM_THREADS, GLOO_SOCKET_IFNAME, RANK...) are theirs and not checked here.
+SETTING_NAME = re.compile(r"\b(?:(?:COURSE|DIST|LAB|LAB10|TEST)_[A-Z0-9_]*[A-Z0-9]|NPROC|NNODES|NODE_RANK"
+                          r"|MASTER_ADDR|MASTER_PORT)\b")
+NOT_SETTINGS = {"LAB_NPROC"}  # a lab's module constant (still read from labs not yet converted)
+
+
+def settings_named(text: str) -> set[str]:
+    """The course's settings a guide names: environment variables in the course's namespaces."""
+    return set(SETTING_NAME.findall(text)) - NOT_SETTINGS
+
+
+def test_every_setting_the_guides_name_exists():
+    """docs/ and the README name only settings helpers/config.py reads (a guide once named a
+    COURSE_TIMEOUT that never existed)."""
+    from helpers.config import SETTINGS
+
+    known = {s.name for s in SETTINGS}
+    assert settings_named("a short timeout (`COURSE_TIMEOUT`); NPROC=2 ./run.sh") == {"COURSE_TIMEOUT", "NPROC"}
+    for guide in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]:
+        unknown = settings_named(guide.read_text()) - known
+        assert not unknown, f"{guide.relative_to(REPO_ROOT)} names settings helpers/config.py does not have: {sorted(unknown)}"
+
+
+# ---- run descriptions (helpers/runs.py) ------------------------------------------------------
+
+def _run_class(**ranks):
+    from dataclasses import dataclass
+
+    from helpers import runs
+
+    @dataclass(frozen=True)
+    class Run(runs.Run):
+        width: int = 64
+        widths: tuple[int, ...] = (1, 2)
+        lessons: bool = False
+        SMOKE = dict(width=8)
+        TOUR = dict(width=16, widths=(3,))
+
+    for name, value in ranks.items():
+        setattr(Run, name, value)
+    return Run
+
+
+def test_a_run_description_gives_presets_flags_and_the_command_line():
+    from helpers import runs
+
+    Run = _run_class()
+    assert (Run.preset("full").width, Run.preset("smoke").width, Run.preset("tour").width) == (64, 8, 16)
+    assert Run.preset("smoke", width=4).width == 4
+    cfg = Run.from_argv(["--preset", "tour", "--width", "5", "--lessons"])
+    assert (cfg.width, cfg.widths, cfg.lessons) == (5, (3,), True)
+    assert Run.from_argv(cfg.argv()) == cfg and cfg.values() == {"width": 5, "widths": (3,), "lessons": True}
+    with pytest.raises(runs.RunError, match="argument --width: invalid int value"):
+        Run.from_argv(["--width", "wide"])
+    with pytest.raises(runs.RunError, match="no field"):
+        Run.preset("smoke", depth=3)
+    with pytest.raises(runs.RunError, match="no preset 'huge'"):
+        Run.preset("huge")
+
+
+def test_ranks_come_from_the_run_description_and_nproc_wins_where_any_count_works():
+    from helpers.runs import RunError, ranks_for
+
+    Run = _run_class()
+    assert ranks_for(Run.preset(), default=2, nproc_set=None) == 2          # ranks None: the default
+    assert ranks_for(Run.preset(ranks=4), default=2, nproc_set=None) == 4
+    assert ranks_for(Run.preset(ranks=4), default=2, nproc_set=3) == 3      # NPROC wins
+    exact = _run_class(EXACT_RANKS=True)
+    assert ranks_for(exact.preset(ranks=4), default=2, nproc_set=4) == 4
+    with pytest.raises(RunError, match="runs on exactly 4 ranks; NPROC=2"):
+        ranks_for(exact.preset(ranks=4), default=2, nproc_set=2)
+    with pytest.raises(RunError, match="needs at least 3 ranks"):
+        ranks_for(_run_class(MIN_RANKS=3).preset(), default=2, nproc_set=None)
+
+
+def test_every_labs_run_description_builds_its_presets_and_parses_its_own_command_line():
+    """Each lab's Run: every preset names only its fields, and its command line gives it back."""
+    import importlib
+
+    from helpers import runs
+
+    described = [p for p in sorted((REPO_ROOT / "labs").glob("lab[0-9][0-9]_*.py"))
+                 if re.search(r"^class Run\(", p.read_text(), re.M)]
+    assert len(described) >= 30, "the labs of notebooks 00-10 have run descriptions"
+    for path in described:
+        Run = runs.description(importlib.import_module(f"labs.{path.stem}"))
+        assert Run is not None, f"{path.name}: its Run is not a helpers.runs.Run"
+        for name in runs.PRESETS:
+            cfg = Run.preset(name)
+            assert Run.from_argv(cfg.argv()) == cfg, (path.name, name)
 
 
 def test_abort_at_exit_after_finishing_is_reported_not_fatal(capsys):

@@ -255,8 +255,9 @@ if __name__ == "__main__":
     import sys
 
     from helpers.dist import distributed
+    from helpers.runs import run_lab
 
     with distributed() as ctx:
         for name in sys.argv[1:]:
-            ctx.report(**{name: importlib.import_module(f"labs.{name}").run(ctx)})
+            ctx.report(**{name: run_lab(importlib.import_module(f"labs.{name}"), ctx, "smoke")})
         ctx.report(done=True)
