@@ -31,6 +31,13 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+# Before any group exists: torch.distributed.nn's functions take `group=group.WORLD` as a default,
+# evaluated when it is first imported. Imported after init_process_group (torch._dynamo imports it,
+# and building the first optimizer imports torch._dynamo), every one of those defaults holds the
+# default group, so destroy_process_group() cannot free it: gloo's worker and transport threads
+# then live on into the interpreter's exit, which now and then aborts ("terminate called without
+# an active exception"). Imported here, the defaults are None and the group dies at teardown.
+import torch.distributed.nn  # noqa: F401,E402
 
 from helpers.config import settings
 
@@ -267,6 +274,8 @@ def _short_default_timeout(timeout: datetime.timedelta) -> None:
 
 
 def teardown() -> None:
+    """Destroy every process group (their gloo threads are joined then, while Python is whole)
+    and put torch's default timeout back."""
     global _TORCH_DEFAULT_TIMEOUTS
     if dist.is_initialized():
         dist.destroy_process_group()
