@@ -145,12 +145,14 @@ def test_two_launches_at_once_both_succeed():
 
 
 def test_crashed_rank_ends_run_fast_with_its_message():
-    start = time.monotonic()
+    """The run ends within seconds of the crash (measured from the crash: starting the ranks takes
+    as long as a busy machine makes it), not after DIST_TIMEOUT."""
     with pytest.raises(LaunchError) as info:
-        launch(SCRIPTS / "fail_rank.py", nproc=2, timeout=120, stream=False)
-    elapsed = time.monotonic() - start
+        launch(SCRIPTS / "fail_rank.py", nproc=2, timeout=120, stream=False,
+               env={"DIST_TIMEOUT": "120"})
+    elapsed = time.time() - info.value.result.results[1]["raised_at"]
     message = str(info.value)
-    assert elapsed < 30, f"took {elapsed:.1f} s"
+    assert elapsed < 60, f"the run ended {elapsed:.1f} s after rank 1 raised (DIST_TIMEOUT is 120 s)"
     assert "rank 1 raised ValueError: rank one is broken on purpose" in message
     assert info.value.result.returncode != 0
 

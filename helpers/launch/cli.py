@@ -2,8 +2,8 @@
 `python -m helpers.launch.cli script path/to/script.py [args...]`.
 
 A lab's sizes and ranks come from its run description (helpers/runs.py): `./run.sh NN` runs it at
-full size (smoke under COURSE_SMOKE=1), `./run.sh` runs every lab with `--preset tour`, so the
-whole tour ends within minutes. Ranks per node: the lab's RANKS when it needs an exact count, else
+full size (smoke under COURSE_SMOKE=1), `./run.sh` runs every lab with `--preset tour`, its ranks
+forked from a warm launcher (helpers/launch/warm.py), so the whole tour ends within minutes. Ranks per node: the lab's RANKS when it needs an exact count, else
 NPROC, else the GPU count when >= 2, else 2 on the CPU; a lab that cannot run on the ranks NPROC
 asks for says so before anything starts, as do a script's bad arguments. Multi-node runs take
 NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT (torchrun's static rendezvous on node 0's address);
@@ -96,7 +96,10 @@ def run_labs(selection: str | None) -> int:
         print(f"\n=== {lab.relative_to(REPO_ROOT)}{' ' + ' '.join(args) if args else ''}: "
               f"{ranks} rank(s) x {nnodes} node(s) ===", flush=True)
         try:
-            res = launch(lab, *args, nproc=ranks, timeout=settings().lab_timeout, **options)
+            # the tour forks its ranks from a warm launcher, as the tests do: no torch import per
+            # launch (seconds each, over some 60 launches); ./run.sh NN starts them fresh
+            res = launch(lab, *args, nproc=ranks, timeout=settings().lab_timeout,
+                         fork_ranks=True if preset == "tour" else None, **options)
             rows.append(summary_row(lab, ranks, nnodes, res, res.seconds, True))
         except LaunchError as err:
             print(f"\n{err}", file=sys.stderr, flush=True)
