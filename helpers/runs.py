@@ -34,8 +34,8 @@ Everything else takes its values from there:
 - helpers/launch/run_labs.py hands each lab's `run(ctx, cfg)` its preset; tests build the config
   they need (`Run.preset("smoke")`, or `Run(depth=3)` for a size the presets do not have).
 
-The tolerances every lab compares against one process with are here too (`LOSS_RTOL`,
-`PARAM_ATOL`): a lab's Run carries them as fields where its checks use them.
+The tolerances of training compared with one process are defined here, once (`LOSS_RTOL`,
+`PARAM_ATOL`); a lab imports them, or makes them fields of its Run where a preset changes them.
 """
 from __future__ import annotations
 
