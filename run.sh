@@ -10,9 +10,10 @@ usage() {
   cat <<'EOF'
 usage: ./run.sh [COMMAND] [ARGS...]
 
-  (nothing)            set up what is missing, then run every lab in order on NPROC ranks
-  NN                   run lab NN (every labs/labNN_*.py), e.g. ./run.sh 03
-  path/to/script.py    run your own script under torchrun with the course defaults
+  (nothing)            set up what is missing, then every lab in order at the tour's small sizes
+  NN                   run lab NN (every labs/labNN_*.py) at full size, e.g. ./run.sh 03
+  path/to/script.py    run a lab or your own script under torchrun with the course defaults
+                       (a lab's sizes are flags: ./run.sh labs/lab03_ddp.py --help)
   test                 run every test and execute every notebook (smoke sizes), as CI does
   check [NN]           run the public checks of your exercises (all labs, or lab NN)
   submit               run the checks and pack your work into an archive to hand in

@@ -1,7 +1,10 @@
 """The course's shared package: what labs, notebooks and tests import. One job a module:
 
 - config: every setting (environment variable) the course reads, read and checked once;
-- dist: the backend and device choice, the process group, what a rank reports and how it fails;
+- runs: one run description per lab (its sizes, ranks and tolerances, with full, smoke and tour
+  presets), from which its command line, ./run.sh, the notebooks and the tests take their values;
+- dist: the backend and device choice, the process group and every sub-group and mesh (with
+  DIST_TIMEOUT, named), what a rank reports and how it fails;
 - launch/: starting ranks (torchrun from a notebook cell, a test or run.sh) and never leaving one
   behind: torchrun, procs, warm, cli, run_labs;
 - notice: an unsolved exercise's notice instead of a failure (notebooks, labs, tests);
@@ -18,8 +21,9 @@
 - notebook_filter, lean_imports: the repository's own tooling (git's filter for notebooks; one
   slow import left out of the processes that read notebooks).
 
-The run mode is below: `smoke()` and `pick(full, small)`. The homework application (check,
-submit, release, grade) is a package of its own, homework/.
+The run mode is below: `smoke()`, and `pick(full, small)` for the labs whose sizes are not yet
+in a run description (helpers/runs.py). The homework application (check, submit, release,
+grade) is a package of its own, homework/.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.memory import SavedTensorBytes, allocations, event_start, memory_profile
 from helpers.tensors import nbytes, seeded
@@ -194,25 +195,41 @@ def checkpointing_sweep(depths: list[int], width: int, rows: int) -> list[dict]:
     return rows_out
 
 
-def lab(ctx: DistContext) -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The model whose Adam step is counted (8 blocks of width, a batch of rows); the depths,
+    width and rows of the checkpointing sweep; notebook 07's gradient-accumulation model."""
+    width: int = 512
+    rows: int = 512
+    depths: tuple[int, ...] = (4, 16, 64, 256)
+    sweep_width: int = 64
+    sweep_rows: int = 128
+    accumulate_width: int = 256
+    accumulate_rows: int = 256
+    SMOKE = dict(width=128, rows=128, depths=(4, 16, 64), sweep_width=32, sweep_rows=32,
+                 accumulate_width=64, accumulate_rows=64)
+
+
+def run(ctx: DistContext, cfg: Run) -> None:
     """Count one Adam step's bytes and sweep checkpointing over depth; print on rank 0."""
     from helpers.show import format_table
 
-    width, rows = pick(256, 64), pick(256, 64)
+    width, rows = cfg.width, cfg.rows
     model = make_blocks(width, 8)
     x, y = make_regression_data(rows, width)
     counts = {precision: count_training_memory(model, x, y, precision) for precision in MEMORY_PRECISIONS}
     ctx.print0(format_table([{"precision": p, **{k: v / 2**20 for k, v in c.items()}}
                              for p, c in counts.items()], floatfmt=".3g"))
-    sweep = checkpointing_sweep(pick([4, 16, 64, 256], [4, 16]), pick(64, 32), pick(128, 32))
+    sweep = checkpointing_sweep(list(cfg.depths), cfg.sweep_width, cfg.sweep_rows)
     ctx.print0(format_table([{k: r[k] for k in ("depth", "mode", "peak backward / block input")}
                              for r in sweep], floatfmt=".1f"))
     ctx.report(counts=counts, checkpointing=sweep)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        lab(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

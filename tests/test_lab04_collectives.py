@@ -339,15 +339,15 @@ def worker() -> None:
     from labs import lab04_bandwidth, lab04_collectives, lab04_ring, lab04_traffic
 
     with distributed() as ctx:
-        record = lab04_collectives.run(ctx)
+        record = lab04_collectives.run(ctx, lab04_collectives.Run.preset("smoke"))
         lab04_collectives.print_summary(ctx, record)
-        traffic = lab04_traffic.run(ctx)
+        traffic = lab04_traffic.run(ctx, lab04_traffic.Run.preset("smoke"))
         lab04_traffic.print_summary(ctx, traffic)
-        bandwidth = lab04_bandwidth.run(ctx, sizes=SMALL_SIZES, goal_size=SMALL_SIZES[-1],
-                                        limit_size=SMALL_SIZES[-1])
+        bandwidth = lab04_bandwidth.run(ctx, lab04_bandwidth.Run.preset(
+            "smoke", sizes=tuple(SMALL_SIZES), goal_size=SMALL_SIZES[-1], limit_size=SMALL_SIZES[-1]))
         if ctx.rank == 0:
             lab04_bandwidth.print_summary(bandwidth)
-        ring = lab04_ring.run(ctx)
+        ring = lab04_ring.run(ctx, lab04_ring.Run.preset("smoke"))
         ctx.report(tour=record, traffic=traffic, bandwidth=bandwidth, ring=ring)
 
 
