@@ -546,26 +546,28 @@ def vocabulary_problem(rep: dict, name: str) -> str | None:
     for param, layer in (("tok_embeddings.weight", "embedding"), ("output.weight", "output layer")):
         if param not in rep["params"]:
             continue
-        placement = tp_placement(rep["params"][param])
+        entry = rep["params"][param]
+        placement = tp_placement(entry)
         if placement == "Shard(dim=0)":
             continue
-        where = f"rank {rep['rank']} ({name}): {param} has placements {rep['params'][param]['placements']} on {rep['params'][param]['dims']}"
+        who = f"rank {rep['rank']} ({name}): "
+        held = f" ({param}: placements {entry['placements']} on {entry['dims']})"
         if placement is None:
-            return (f"{where}: the {layer} is left out of the tensor-parallel plan, so every tp rank holds all of it "
-                    + ("and looks up whole vectors; split over the vocabulary (its rows), each tp rank holds "
-                       "the rows of some tokens" if layer == "embedding" else
-                       "and computes every logit; loss_parallel() needs each tp rank to hold a slice of the "
-                       "vocabulary (the weight's rows: column-parallel) and compute those logits"))
+            return (f"{who}the {layer} is left out of the tensor-parallel plan{held}: every tp rank holds all "
+                    "of it and " + ("looks up whole vectors; split over the vocabulary (its rows), each tp rank "
+                                    "holds the rows of some tokens" if layer == "embedding" else
+                                    "computes every logit; loss_parallel() needs each tp rank to hold a slice of "
+                                    "the vocabulary (the weight's rows: column-parallel) and compute those logits"))
         if layer == "embedding":
-            return (f"{where}: the embedding is split by its columns (each tp rank a slice of every token's "
-                    "vector), not over the vocabulary. The contract asks for a vocabulary-parallel embedding: "
-                    "each tp rank holds the rows of some tokens, looks up those it holds (zeros for the others) "
-                    "and one reduce-scatter sums the ranks' lookups into sequence shards; split by columns, "
-                    "the vectors' slices must be gathered instead, and the step's traffic changes")
-        return (f"{where}: the output layer is row-parallel (split over its input width: every rank computes "
-                "partial logits for the whole vocabulary, to be summed); loss_parallel() needs it "
-                "column-parallel: each tp rank holds a slice of the vocabulary (the weight's rows) and "
-                "computes those logits from the gathered sequence")
+            return (f"{who}the embedding is split by its columns (each tp rank a slice of every token's vector), "
+                    f"not over the vocabulary{held}. The contract asks for a vocabulary-parallel embedding: each tp "
+                    "rank holds the rows of some tokens, looks up those it holds (zeros for the others) and one "
+                    "reduce-scatter sums the ranks' lookups into sequence shards; split by columns, the vectors' "
+                    "slices are gathered instead, and the step's traffic changes")
+        return (f"{who}the output layer is row-parallel (split over its input width: every rank computes partial "
+                f"logits for the whole vocabulary, to be summed){held}; loss_parallel() needs it column-parallel: "
+                "each tp rank holds a slice of the vocabulary (the weight's rows) and computes those logits from "
+                "the gathered sequence")
     return None
 
 
@@ -606,8 +608,8 @@ def tp_traffic_problem(rep: dict, name: str) -> str | None:
                    f"(tensor parallelism without sequence parallelism: {calls.get('all_reduce', 0)} all-reduces instead)")
         elif ag > 0 and rs == 0 and what == "one forward":
             why = (f"{ag} all-gathers too many: a layer gathers the sequence for itself. Gathered once at the "
-                   "entry of attention and of the MLP, the whole sequence serves all of their column-parallel "
-                   "layers; left to each column-parallel layer (wq, wk, wv, w1), each gathers it again")
+                   "entry of attention and of the MLP, the whole sequence serves all their column-parallel "
+                   "layers, which otherwise each gather it again (wq, wk, wv, w1)")
         elif ag == 1 and rs == -1 and rep["parts"]["tok_embeddings"] and what == "one forward":
             why = ("The embedding's output is gathered instead of reduce-scattered: an embedding split by its "
                    "columns gathers the slices of each vector; split over the vocabulary, a reduce-scatter sums "
@@ -617,12 +619,12 @@ def tp_traffic_problem(rep: dict, name: str) -> str | None:
                    "redistributes between them by itself, silently")
         return (f"rank {rep['rank']} ({name}): {what} made {got['all_gather']} all-gathers and {got['reduce_scatter']} "
                 f"reduce-scatters on the tp group, where sequence parallelism needs {want['all_gather']} and "
-                f"{want['reduce_scatter']} (this stage: {blocks} block{'s' if blocks != 1 else ''}"
+                f"{want['reduce_scatter']}. {why}. (This stage: {blocks} block{'s' if blocks != 1 else ''}"
                 + (", the embedding" if rep["parts"]["tok_embeddings"] else "") + (", the output layer" if rep["parts"]["output"] else "")
                 + (f", {rep['microbatches']} micro-batches" if rep["microbatches"] > 1 else "")
                 + "; per forward one all-gather of the sequence into each attention, each MLP and the output layer, "
                 "one reduce-scatter out of each attention, each MLP and the embedding, and the backward the "
-                f"reverse). {why}.")
+                "reverse.)")
     return None
 
 
@@ -639,13 +641,13 @@ def whole_units_problem(rep: dict, name: str) -> str | None:
     if w["most_whole"] <= 2 and w["most_bytes"] <= limit:
         return None
     gathers = rep["traffic"].get("dp", {}).get("calls", {}).get("all_gather", 0)
-    return (f"rank {rep['rank']} ({name}): during one step up to {w['most_whole']} of the {w['units']} FSDP units "
-            f"were whole at once, {w['most_bytes']:,} bytes of gathered parameters on this rank, where FSDP needs at "
-            f"most the root and one block whole: {w['root_bytes']:,} + {w['largest_block_bytes']:,} = {limit:,} bytes "
-            f"({gathers} all-gathers on dp in the step). A block left gathered after its forward "
-            "(reshard_after_forward=False) stays whole until its backward, so at the start of the backward every "
-            "block is whole on every dp rank: the memory FSDP saves on parameters is gone. torchtitan keeps "
-            "blocks whole only under a pipeline, which keeps a stage's units whole anyway")
+    return (f"rank {rep['rank']} ({name}): during one step {w['most_whole']} of the {w['units']} FSDP units were "
+            f"whole at once ({w['most_bytes']:,} bytes of gathered parameters), where FSDP needs at most the root "
+            f"and one block ({w['root_bytes']:,} + {w['largest_block_bytes']:,} = {limit:,} bytes): blocks kept "
+            "gathered after their forward (reshard_after_forward=False) stay whole until their backward, so at "
+            "the backward's start every block is whole on every dp rank and FSDP's saving on parameters is "
+            f"gone ({gathers} all-gathers on dp in the step). torchtitan keeps blocks whole only under a "
+            "pipeline, which keeps a stage's units whole anyway")
 
 
 # ----------------------------------------------------------------------- parallelize: placements
