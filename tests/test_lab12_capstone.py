@@ -347,7 +347,7 @@ def test_fsdp2_calls_per_unit_as_measured(run):
         assert verdict.extra_all_gathers > 0, verdict
 
 
-# ================================================== notebook 12's verdicts (labs/lab12_report.py)
+# ======================= notebook 12's verdicts (labs/lab12_report.py, labs/lab12_time_report.py)
 # Each is fed both cases here, in this process; test_report_reads_what_the_labs_report feeds them
 # this launch's reports, so a renamed field fails in seconds, not minutes into nbmake.
 def trained(loss=1e-6, param=1e-6, peak=10, whole=100, curve=((0, 5.0), (3, 4.0))):
@@ -362,6 +362,7 @@ def trained(loss=1e-6, param=1e-6, peak=10, whole=100, curve=((0, 5.0), (3, 4.0)
 
 def test_report_verdicts_flip():
     from labs import lab12_report as report
+    from labs import lab12_time_report as time_report
 
     assert report.agreement({0: trained()}, 1e-4, 1e-4).within
     bad = report.agreement({0: trained(), 1: trained(param=1e-3)}, 1e-4, 1e-4)
@@ -373,10 +374,10 @@ def test_report_verdicts_flip():
     assert "less than was kept" in report.activation_ratio_text({0: 0.5}) and "more than was kept" in \
         report.activation_ratio_text({1: 1.5}) and "within 5%" in report.activation_ratio_text({0: 1.01})
     line = {"span_s": 1.0, "steps": 1, "totals_s": {"compute": 0.7, "pipeline idle": 0.3}, "matmul_s": 0.2}
-    assert report.matmul_share(line).mostly_other and not report.matmul_share({**line, "matmul_s": 0.6}).mostly_other
-    assert report.bubble(0.1, line, 1.0, [1.0, 1.05]).verdict == "larger"
-    assert report.bubble(0.5, line, 1.0, [1.0, 1.05]).verdict == "smaller"
-    assert report.bubble(0.28, line, 1.0, [1.0, 1.05]).verdict == "noise"
+    assert time_report.matmul_share(line).mostly_other and not time_report.matmul_share({**line, "matmul_s": 0.6}).mostly_other
+    assert time_report.bubble(0.1, line, 1.0, [1.0, 1.05]).verdict == "larger"
+    assert time_report.bubble(0.5, line, 1.0, [1.0, 1.05]).verdict == "smaller"
+    assert time_report.bubble(0.28, line, 1.0, [1.0, 1.05]).verdict == "noise"
 
 
 def clipped(own, truth=2.0, spread=0.0, wrong=1e-2):
@@ -409,7 +410,7 @@ def test_report_clipping_checkpoint_restart_flip():
 
 
 def test_report_planner_and_cpu_flip():
-    from labs import lab12_report as report
+    from labs import lab12_time_report as time_report
     from labs.lab12_plan import StepMeasurement
 
     cpu = {"composed step": {"wall": 1.0, "process_cpu": 0.9, "thread_cpu": 0.5},
@@ -421,23 +422,24 @@ def test_report_planner_and_cpu_flip():
                                           "pp_comm": 0.05, "bubble": 0.1}}
     line = {"span_s": 2.0, "steps": 1, "totals_s": {"compute": 1.4, "tp communication": 0.4, "pipeline idle": 0.2},
             "matmul_s": 0.1}
-    longer = report.planner_vs_trace(asdict(step), prediction, line, 1e-3)
+    longer = time_report.planner_vs_trace(asdict(step), prediction, line, 1e-3)
     assert longer.gap_ms == 500 and longer.biggest == "compute" and "longer" in longer.text
     assert "FSDP2's 14 calls" in longer.text and "ZeRO-3 term counts 12" in longer.text and "+1:" in longer.text
-    shorter = report.planner_vs_trace(asdict(step), {**prediction, "step_s": 2.0}, line, 1e-3)
+    shorter = time_report.planner_vs_trace(asdict(step), {**prediction, "step_s": 2.0}, line, 1e-3)
     assert "shorter" in shorter.text
     one_replica = asdict(step) | {"planner_calls": {"tp": 36, "dp": 0, "zero3": 0}, "calls": {"tp": 36}}
-    assert "ZeRO-3" not in report.planner_vs_trace(one_replica, prediction, line, 1e-3).text    # no dp: nothing to say
+    assert "ZeRO-3" not in time_report.planner_vs_trace(one_replica, prediction, line, 1e-3).text    # no dp: nothing to say
     machine = {"compute": {"flops": 1e6}}
-    busy = report.cpu_work({0: asdict(step), 1: asdict(step)}, prediction, machine, 1e9, line, 2, 2)
+    busy = time_report.cpu_work({0: asdict(step), 1: asdict(step)}, prediction, machine, 1e9, line, 2, 2)
     assert busy.cpu_bound and busy.busy == 0.9
-    idle = report.cpu_work({0: asdict(step)}, prediction, machine, 1e9, line, 2, 4)
+    idle = time_report.cpu_work({0: asdict(step)}, prediction, machine, 1e9, line, 2, 4)
     assert not idle.cpu_bound
 
 
 def test_report_reads_what_the_labs_report(run):
-    """Every summary of labs/lab12_report.py computed from this launch's own reports."""
+    """Every summary of labs/lab12_report.py and lab12_time_report.py computed from this launch's own reports."""
     from labs import lab12_report as report
+    from labs import lab12_time_report as time_report
     from labs.lab12_clipping import OWN
     from labs.lab12_plan import plan_lab12
 
@@ -455,8 +457,8 @@ def test_report_reads_what_the_labs_report(run):
     resumed = {rank: rep["resume"] for rank, rep in res.items()}
     assert report.checkpoint(resumed, NPROC).once
     assert report.restart(res[0], resumed[0], LOSS_RTOL).same_losses and report.reshard(resumed[0], LOSS_RTOL).same
-    assert 0 < report.matmul_share(res[0]["trace"]["timeline"]).share < 1
-    assert len(report.timeline_shares({rank: rep["trace"] for rank, rep in res.items()})) == NPROC
+    assert 0 < time_report.matmul_share(res[0]["trace"]["timeline"]).share < 1
+    assert len(time_report.timeline_shares({rank: rep["trace"] for rank, rep in res.items()})) == NPROC
     study = report.memory_study(res[0]["memory"])
     assert study.pipelined.every_unit_whole and not study.no_pipeline.every_unit_whole and len(study.rows) == 3
 
