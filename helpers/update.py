@@ -83,10 +83,10 @@ class Plan:
     """What the update does, decided before anything is touched."""
     upstream: str
     changed_upstream: set[str]
-    set_aside: dict[str, str] = field(default_factory=dict)   # notebook -> why it is set aside
-    kept: dict[str, str] = field(default_factory=dict)        # notebook the course did not change -> what it holds
-    blocked: list[str] = field(default_factory=list)          # the student's files the course changed too
-    notebooks: list[str] = field(default_factory=list)        # the notebooks tracked before the update
+    set_aside: dict[str, str] = field(default_factory=dict)  # notebook -> what of the student's
+    kept: dict[str, str] = field(default_factory=dict)       # ... in one the course did not change
+    blocked: list[str] = field(default_factory=list)         # files both the course and student changed
+    notebooks: list[str] = field(default_factory=list)       # the notebooks tracked before the update
 
 
 def _local_changes(root: Path) -> tuple[set[str], set[str]]:
@@ -124,7 +124,9 @@ def plan(root: Path) -> Plan:
     print(f"run.sh update: fetching the course's latest version ({upstream})", flush=True)
     git(root, "fetch", "--quiet")
     base = git(root, "merge-base", "HEAD", "@{u}").strip()
-    changed_upstream = set(filter(None, git(root, "diff", "--name-only", "-z", base, "@{u}").split("\0")))
+    # --no-renames: a notebook the course renamed is one it removed (and one it added)
+    changed_upstream = set(filter(None, git(root, "diff", "--name-only", "--no-renames", "-z", base,
+                                            "@{u}").split("\0")))
     notebooks = sorted(filter(None, git(root, "ls-files", "-z", "--", "*.ipynb").split("\0")))
     refresh_index(root, notebooks)
     changed, untracked = _local_changes(root)
