@@ -18,7 +18,7 @@ usage: ./run.sh [COMMAND] [ARGS...]
   check [NN]           run the public checks of your exercises (all labs, or lab NN)
   submit               run the checks and pack your work into an archive to hand in
   jupyter              start JupyterLab in this repository
-  update               get the course's latest version (git pull), keeping your work
+  update               get the course's latest version, keeping a copy of each notebook it replaces
   release DIR          (instructors) write the student edition into DIR
   grade ARCHIVE... --out DIR   (instructors) grade submissions
   -h, --help           this text
@@ -126,10 +126,12 @@ find_python() {
 # (helpers/notebook_filter.py). Checkouts with an older filter get this one on the next run.
 install_notebook_filter() {
   git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1 || return 0
-  "$PY" -c 'import nbstripout' 2>/dev/null || return 0
   local filter="\"$PY\" -m helpers.notebook_filter"  # 0.5 s a notebook
   [[ "$(git -C "$ROOT" config --get filter.nbstripout.clean 2>/dev/null)" == "$filter" && \
      "$(git -C "$ROOT" config --get diff.ipynb.textconv 2>/dev/null)" == "$filter" ]] && return 0
+  # (found, not imported: importing nbstripout takes seconds)
+  "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("nbstripout") is None)' \
+    2>/dev/null || return 0
   git -C "$ROOT" config filter.nbstripout.clean "$filter"
   git -C "$ROOT" config filter.nbstripout.smudge cat
   git -C "$ROOT" config diff.ipynb.textconv "$filter"
@@ -227,22 +229,10 @@ case "$cmd" in
     ;;
   check|submit|release|grade) shift; exec "$PY" -m homework "$cmd" "$@" ;;
   update)
+    # The course's latest version, and nothing you wrote or ran lost: helpers/update.py says how
+    # (a notebook the course changed is set aside in runs/notebook-outputs/ before it is updated)
     shift
-    # A notebook you only ran differs from the committed one by its outputs alone (git diff, through
-    # the nbstripout filter, shows nothing), yet git would refuse to pull over it. Keep a copy of it
-    # with its outputs in runs/notebook-outputs/, restore the committed file, then pull. Notebooks
-    # you edited, and your labs, are left to git's merge.
-    git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1 || die "not a git checkout: nothing to update"
-    mkdir -p runs/notebook-outputs
-    while IFS= read -r nb; do
-      [[ -z "$nb" ]] && continue
-      if git diff --quiet -- "$nb"; then
-        cp "$nb" "runs/notebook-outputs/$(basename "$nb")"
-        git checkout -q -- "$nb"
-        echo "run.sh: $nb: only outputs changed; kept a copy in runs/notebook-outputs/"
-      fi
-    done < <(git status --porcelain -- 'notebooks/*.ipynb' | sed -n 's/^ M //p')
-    exec git pull "$@"
+    exec "$PY" -m helpers.update "$@"
     ;;
   jupyter)
     shift
@@ -252,8 +242,12 @@ case "$cmd" in
       extra+=(--allow-root)
     fi
     # the course's JupyterLab defaults (.jupyter/settings/overrides.json): widget state is saved
-    # with the notebook, so a reopened notebook shows its widgets instead of "model not found"
+    # with the notebook (a reopened notebook shows its widgets while it can); no pop-up asking
+    # about Jupyter's news over a first notebook. After each save, git's index is refreshed, so
+    # a notebook that was only run and saved does not show as modified (helpers/notebook_filter.py)
     exec "$PY" -m jupyter lab --ServerApp.root_dir="$ROOT" \
-      --LabApp.app_settings_dir="$ROOT/.jupyter/settings" ${extra[@]+"${extra[@]}"} "$@"
+      --LabApp.app_settings_dir="$ROOT/.jupyter/settings" \
+      --ContentsManager.post_save_hook=helpers.notebook_filter.after_save \
+      ${extra[@]+"${extra[@]}"} "$@"
     ;;
 esac

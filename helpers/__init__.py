@@ -18,8 +18,8 @@
 - show: tables, figures and explorers, in a notebook and on a terminal;
 - flight_recorder, mystery_jobs: notebook 10's instruments (torch's flight recorder; the jobs of
   the `diagnose` exercise);
-- notebook_filter, lean_imports: the repository's own tooling (git's filter for notebooks; one
-  slow import left out of the processes that read notebooks).
+- notebook_filter, lean_imports, update: the repository's own tooling (git's filter for notebooks;
+  one slow import left out of the processes that read notebooks; `./run.sh update`).
 
 The run mode is below: `smoke()`, and `pick(full, small)` for the labs whose sizes are not yet
 in a run description (helpers/runs.py). The homework application (check, submit, release,

@@ -276,8 +276,9 @@ def published(rows: list[dict], assumed_efficiency: float) -> str:
 
 # ================================================================================ section 5: explore
 def explorer_view(r: dict, memory_gb: float) -> list:
-    """The explorer's panel for `scale.explore`'s result `r`: the layout and its links, then the
-    planner's memory and time (figure and summary), or the exercise's notice."""
+    """The explorer's panel for `scale.explore`'s result `r`: the model, the layout and its links
+    (no exercise needed), then the planner's memory and step time as far as its exercises are
+    written (a notice for each one that is not), and, with both, the summary."""
     import matplotlib.pyplot as plt
 
     from helpers.notice import notice_html
@@ -285,25 +286,33 @@ def explorer_view(r: dict, memory_gb: float) -> list:
 
     if r["error"]:
         return [html_text(f"does not split: {r['error']}")]
-    c, sched_info = r["config"], r["schedule"]
+    c, sched_info, m = r["config"], r["schedule"], r["model"]
     layout = [html_text(
+        f"{m['name']}: {m['parameters'] / 1e9:.1f}B parameters, {m['heads']} heads, {m['seq']}-token sequences, "
+        f"{m['global batch']} sequences ({m['global batch'] * m['seq'] / 1e6:.2f}M tokens) per training step\n"
         f"dp={c['dp']} x tp={c['tp']} x pp={c['pp']}, m={c['micro_batches']} micro-batches of 1 sequence per replica, "
         f"{c['schedule']}" + (f" with v={c['virtual_stages']}" if c["virtual_stages"] > 1 else "") +
         (f": the simulated bubble is {sched_info['bubble / ideal']:.1%} of the ideal time (t_B = 2 t_F, free messages), "
          f"stage 0 holds {sched_info['held on stage 0']:g} micro-batches" if c["pp"] > 1 else ": no pipeline, no bubble")),
         html_table(r["links"], floatfmt=".3g")]
-    if "unsolved" in r:
-        return layout + [notice_html(r["unsolved"])]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
-    axes[0].bar(list(r["memory"]), list(r["memory"].values()))
-    axes[0].axhline(memory_gb, color="gray", linestyle="--")
-    axes[0].set(ylabel="GB per GPU", title=f"memory (dashed: {memory_gb:g} GB)")
-    axes[1].bar(list(r["time"]), list(r["time"].values()))
-    axes[1].set(ylabel="seconds per step", title="step time")
-    for ax in axes:
-        ax.tick_params(axis="x", labelrotation=25)
-    fig.tight_layout()
+    parts = [(key, title, ylabel) for key, title, ylabel in
+             [("memory", f"memory per GPU (dashed: {memory_gb:g} GB)", "GB per GPU"),
+              ("time", "one training step", "seconds per step")] if key in r]
+    figures = []
+    if parts:
+        fig, axes = plt.subplots(1, len(parts), figsize=(5 * len(parts), 3), squeeze=False)
+        for ax, (key, title, ylabel) in zip(axes[0], parts):
+            ax.bar(list(r[key]), list(r[key].values()))
+            ax.set(ylabel=ylabel, title=title)
+            ax.tick_params(axis="x", labelrotation=25)
+            if key == "memory":
+                ax.axhline(memory_gb, color="gray", linestyle="--")
+        fig.tight_layout()
+        figures.append(html_figure(fig))
+    notices = [notice_html(message) for message in r.get("unsolved", [])]
+    if "summary" not in r:
+        return layout + figures + notices
     s = r["summary"]
-    return layout + [html_figure(fig), html_text(
-        f"{s['GB per GPU']:.1f} GB per GPU ({'fits' if s['fits'] else 'does NOT fit'}), {s['step s']:.2f} s per step, "
-        f"MFU {s['MFU']:.0%}, {s['tokens/s'] / 1e6:.2f}M tokens/s")]
+    return layout + figures + [html_text(
+        f"{s['GB per GPU']:.1f} GB per GPU ({'fits' if s['fits'] else 'does NOT fit'}), {s['step s']:.2f} s per "
+        f"training step, MFU {s['MFU']:.0%}, {s['tokens/s'] / 1e6:.2f}M tokens/s")]

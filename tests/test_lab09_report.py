@@ -67,10 +67,33 @@ def test_published_trends_flip():
     assert "(does not rise)" in falling.split("published TFLOP/s")[1] and "for 0 of 2" in falling
 
 
+EXPLORED = {"error": None, "config": {"dp": 8, "tp": 8, "pp": 4, "micro_batches": 16, "schedule": "1F1B",
+                                      "virtual_stages": 1},
+            "model": {"name": "70B-class GPT", "layers": 80, "hidden": 8192, "heads": 64, "seq": 4096,
+                      "global batch": 1024, "parameters": 68.7e9},
+            "schedule": {"bubble / ideal": 0.19, "held on stage 0": 4}, "links": [{"axis": "tensor"}]}
+STUB = ("Exercise {} (notebook 09_combining.ipynb): predict it. Fill in the block in labs/lab09_planner.py "
+        "and run ./run.sh check 09")
+
+
 def test_explorer_view_without_the_planner():
-    r = {"error": None, "config": {"dp": 8, "tp": 8, "pp": 4, "micro_batches": 16, "schedule": "1F1B", "virtual_stages": 1},
-         "schedule": {"bubble / ideal": 0.19, "held on stage 0": 4}, "links": [{"axis": "tensor"}],
-         "unsolved": "Exercise plan_memory (notebook 09_combining.ipynb): ..."}
+    """Unsolved: the model and the layout, then one notice per exercise still to write."""
+    r = dict(EXPLORED, unsolved=[STUB.format("plan_memory"), STUB.format("plan_step_time")])
     view = report.explorer_view(r, 80)
-    assert len(view) == 3
+    assert len(view) == 4 and "68.7B parameters" in view[0] and "per training step" in view[0]
+    assert "plan_memory" in view[2] and "plan_step_time" in view[3], \
+        "the panel does not name both exercises the planner needs"
     assert len(report.explorer_view({"error": "5 GPUs are not a multiple of tp x pp = 8"}, 80)) == 1
+
+
+def test_explorer_view_with_one_exercise_written():
+    """plan_memory written: its figure, and the other exercise's notice; both: the summary too."""
+    memory = {"parameters": 10.0, "gradients": 10.0, "optimizer state": 20.0, "activations": 30.0}
+    view = report.explorer_view(dict(EXPLORED, memory=memory, unsolved=[STUB.format("plan_step_time")]), 80)
+    assert len(view) == 4 and "<img" in view[2] and "plan_step_time" in view[3] and "plan_memory" not in view[3]
+    time = {"compute": 1.0, "tensor parallel": 0.2, "pipeline messages": 0.1, "bubble": 0.2, "data parallel": 0.1}
+    summary = {"fits": True, "GB per GPU": 70.0, "step s": 1.6, "MFU": 0.4, "tokens/s": 2.6e6}
+    view = report.explorer_view(dict(EXPLORED, memory=memory, time=time, summary=summary), 80)
+    assert len(view) == 4 and "fits" in view[3] and "1.60 s per training step" in view[3]
+
+
