@@ -370,15 +370,17 @@ def explain_timeout(exc: BaseException, rank: int) -> BaseException:
     return exc
 
 
-def record_error(rank: int, exc: BaseException) -> None:
-    """Leave this rank's traceback where the launcher finds it, so its message names the rank."""
+def record_error(rank: int, exc: BaseException, when: float | None = None) -> None:
+    """Leave this rank's traceback where the launcher finds it, so its message names the rank.
+    `when`: the time the exception reached the course (default now); the launcher names the rank
+    whose error came first, so it must not be the time the record was written."""
     folder = settings().results_dir
     if not folder:
         return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     path = Path(folder) / f"error.rank{rank}.txt"
     tmp = path.with_suffix(".tmp")  # whole or not at all: the launcher may read it while we die
-    tmp.write_text(f"{time.time()}\n{text}")
+    tmp.write_text(f"{time.time() if when is None else when}\n{text}")
     tmp.replace(path)
 
 
@@ -393,8 +395,12 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
     try:
         yield ctx
     except BaseException as exc:
+        # The time first: naming the group reads the flight recorder, and meanwhile the rank that
+        # waited on us may die of our gloo timeout ("Connection closed by peer") and record its
+        # error before ours, though ours came first.
+        when = time.time()
         explain_timeout(exc, ctx.rank)  # names the rank and the group a collective timed out in
-        record_error(ctx.rank, exc)
+        record_error(ctx.rank, exc, when)
         print(f"[rank {ctx.rank}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         raise
     else:

@@ -671,3 +671,23 @@ def test_the_launch_package_imports_nothing_until_used():
             "print(sorted(m for m in sys.modules if m.startswith('helpers.launch.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"importing helpers.launch imported {out.stdout.strip()}"
+
+
+def test_the_rank_that_failed_first_is_not_the_one_its_failure_disconnected():
+    """A rank whose collective timed out closes its gloo connections; the rank waiting on it then
+    fails with "Connection closed by peer", sometimes recorded first on a busy machine (seen in
+    CI: lab 10's planted hang named rank 0's closed connection instead of rank 1's timeout). The
+    launcher names the rank whose error is its own; with only closed connections, the earliest."""
+    from helpers.launch.torchrun import _first_error
+
+    def record(message: str) -> str:
+        return f'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n{message}\n'
+
+    closed = record("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                    "[127.0.0.1]:39310")
+    timed_out = record("RuntimeError: rank 1 waited 4 s in barrier #4 of group 'default'; gloo: "
+                       "Timed out waiting 4000ms for recv operation to complete")
+    assert _first_error([(1.0, 0, closed), (1.5, 1, timed_out)], "")[0] == 1
+    assert _first_error([(1.0, 1, timed_out), (1.5, 0, closed)], "")[0] == 1
+    assert _first_error([(1.0, 0, closed), (1.5, 1, closed)], "")[0] == 0, \
+        "with only closed connections, the earliest"

@@ -252,10 +252,20 @@ def _first_cause(errors: list[tuple[float, int, str]], caught: list[RankExceptio
     found = [(stamp, rank, text, "", _raised(text)) for stamp, rank, text in errors] + \
         [(c.time, c.rank, c.text, c.exercise, f"{c.line} at {c.where}" if c.line and c.where
           else c.summary) for c in caught]
-    if found:
-        return min(found, key=lambda item: item[0])[1:]
+    if found:  # a peer's closed connection says another rank failed first: that one, if recorded
+        return min(found, key=lambda item: (_peer_failed(item[2]), item[0]))[1:]
     root = _root_cause(output)
     return (*root, _raised(root[1])) if root else None
+
+
+# gloo's error on a rank whose peer died or gave up first (its own timeout closes its connections)
+_PEER_FAILED = ("connection closed by peer", "connection reset by peer")
+
+
+def _peer_failed(text: str) -> bool:
+    """Whether a rank's error only reports that another rank failed before it."""
+    last = text.strip().splitlines()[-1].lower() if text.strip() else ""
+    return any(p in last for p in _PEER_FAILED)
 
 
 # torchrun's failure summary: "Root Cause (first observed failure):", then "  rank      : 0 ...",
