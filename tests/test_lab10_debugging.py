@@ -244,7 +244,10 @@ def test_divergence_symptoms(runs):
     assert first["random state"] == {"step": out["reinit_step"] + 1, "names": ["backbone.weight"]}
     assert first["buffer not synchronised"] == {"step": 1, "names": ["norm.running_mean", "norm.running_var"]}
     nondet = v["non-deterministic reduction"]
+    assert v["healthy"]["norms_differ_at"] == [], "the healthy ranks sum their norms in one order"
+    assert nondet["norms_differ_at"], "the rank-dependent order gave equal norms at every step"
     assert nondet["first"] is not None and 0 < nondet["max_diff"][-1] < 1e-5
+    assert nondet["first"]["step"] > nondet["norms_differ_at"][0], "a drift before its cause"
     for name, rec in v.items():
         check = rec["check"]
         if "unsolved" in check:
@@ -303,3 +306,53 @@ def test_drill_signatures_tell_the_crashes_apart():
     assert sig["killed mid-step"](drill("killed mid-step", 0, "RuntimeError: Connection closed",
                                         "exitcode  : -9 (pid: 5)  (SIGKILL)"))
     assert not sig["killed mid-step"](drill("killed mid-step", 1, "", "exitcode  : 1"))
+
+
+# ------------------------------------------------------------------------------ divergence verdicts
+def _record(curve, names=("backbone.weight",), causes=()):
+    first = next(({"step": i, "names": list(names)} for i, d in enumerate(curve) if d > 0), None)
+    return {"max_diff": list(curve), "first": first, "norms_differ_at": list(causes)}
+
+
+def test_divergence_trend_flips():
+    from labs.lab10_divergence import symptom, trend
+    assert trend(1e-8, 1e-6) == "grew" and trend(1e-6, 1e-8) == "shrank"
+    assert trend(1e-8, 1.05e-8) == "stayed within 10%"
+    s = symptom("forgotten broadcast", _record([0.5, 0.5, 2.0]))
+    assert (s.first_step, s.trend) == (0, "grew") and "first differs after 0 steps" in s.sentence
+    s = symptom("healthy", _record([0.0, 0.0, 0.0]))
+    assert s.first_step is None and "bitwise equal at every check" in s.sentence
+
+
+def test_nondeterministic_verdict_says_when_nothing_drifted():
+    """The variant's drift depends on float rounding: the sentence says which case this run was."""
+    from labs.lab10_divergence import symptom
+    name = "non-deterministic reduction"
+    drifted = symptom(name, _record([0.0, 1.5e-8, 1.5e-8], causes=(0, 1)))
+    assert drifted.first_step == 1 and "differed in the last bits at 2 of 2 steps" in drifted.sentence
+    equal = symptom(name, _record([0.0, 0.0, 0.0]))
+    assert equal.first_step is None and "bitwise-equal clipping norms at every step" in equal.sentence
+    absorbed = symptom(name, _record([0.0, 0.0, 0.0], causes=(1,)))
+    assert absorbed.first_step is None and "rounded away in the update" in absorbed.sentence
+    assert "re-initialisation ran during step 3" in symptom("random state", _record([0, 0, 0, 0, 1.0]), 3).sentence
+
+
+def test_healthy_verdict_flips():
+    from labs.lab10_divergence import healthy_stays_equal
+    assert healthy_stays_equal({"variants": {"healthy": _record([0.0, 0.0])}})
+    assert not healthy_stays_equal({"variants": {"healthy": _record([0.0, 1e-9])}})
+
+
+def test_rank_ordered_norm_differs_in_the_last_bits_only():
+    """The planted non-determinism: the same gradients, two orders, sums that differ (almost
+    always) but only in the last bits; one order, the same sum."""
+    from labs.lab10_divergence import total_norm_in_rank_order
+    gen = torch.Generator().manual_seed(0)
+    differ = 0
+    for _ in range(20):
+        grads = [torch.randn(32, 16, generator=gen), torch.randn(32, generator=gen), torch.randn(4, 32, generator=gen)]
+        a, b = total_norm_in_rank_order(grads, 0), total_norm_in_rank_order(grads, 1)
+        assert a == total_norm_in_rank_order(grads, 0)
+        assert torch.isclose(a, b, rtol=1e-6, atol=0), (a, b)
+        differ += bool(a != b)
+    assert differ >= 10, f"two orders gave the same float32 norm in {20 - differ} of 20 draws"
