@@ -293,3 +293,22 @@ if __name__ == "__main__":
         for name in sys.argv[1:]:
             ctx.report(**{name: run_lab(importlib.import_module(f"labs.{name}"), ctx, "smoke")})
         ctx.report(done=True)
+
+
+def test_step_ratio_calls_overlapping_quartiles_noise():
+    from labs.lab03_ddp_bench import step_ratio, summary_lines
+    row = lambda q1, med, q3, **kw: {"step ms q1": q1, "step ms": med, "step ms q3": q3, **kw}  # noqa: E731
+    assert step_ratio(row(8, 9, 10), row(12, 13, 14)).endswith("faster")
+    assert step_ratio(row(12, 13, 14), row(8, 9, 10)).endswith("slower")
+    assert "within this run's noise" in step_ratio(row(8, 11, 13), row(10, 12, 14))
+    rows = [row(8, 9, 10, method=m, **{"buckets/step": n, "params/bucket": 2}) for m, n in
+            [("naive", 8), ("flat", 1), ("overlapped", 8), ("torch DDP 1 MiB", 3), ("BucketedDDP 1 MiB", 3)]]
+    lines = summary_lines(rows, {"caps_mb": [1.0], "layer_bytes": 4096})
+    assert lines[0].startswith("flat / naive step time:") and "8 messages -> 1" in lines[0]
+    assert lines[-1].startswith("BucketedDDP / torch DDP at 1 MiB: 1.00x, within")
+
+
+def test_benchmark_reports_quartiles(labs_run):
+    for row in labs_run[0]["lab03_ddp_bench"]["bench"]:
+        if "unsolved" not in row:
+            assert row["step ms q1"] <= row["step ms"] <= row["step ms q3"], row["method"]
