@@ -256,13 +256,23 @@ def object_demo(rank: int, world_size: int, device: torch.device, numel: int = 2
     as_list = values.tolist()
     gathered = [torch.empty_like(values) for _ in range(world_size)]
     objects = [None] * world_size
-    t_tensor = measure(lambda: dist.all_gather(gathered, values), repeats=repeats, device=device,
-                       barrier=True).median
-    t_object = measure(lambda: dist.all_gather_object(objects, as_list), repeats=repeats,
-                       device=device, barrier=True).median
+    tensor = measure(lambda: dist.all_gather(gathered, values), repeats=repeats, device=device, barrier=True)
+    obj = measure(lambda: dist.all_gather_object(objects, as_list), repeats=repeats, device=device,
+                  barrier=True)
     same = all(objects[r] == gathered[r].tolist() for r in range(world_size))
-    return {"notes": notes, "numel": numel, "tensor_s": t_tensor, "object_s": t_object,
-            "object_over_tensor": t_object / t_tensor, "same_values": same}
+    middle = lambda t: [sorted(t.samples)[len(t.samples) // 4], sorted(t.samples)[(3 * len(t.samples)) // 4]]  # noqa: E731
+    return {"notes": notes, "numel": numel, "tensor_s": tensor.median, "object_s": obj.median,
+            "object_over_tensor": obj.median / tensor.median, "same_values": same,
+            "tensor_quartiles_s": middle(tensor), "object_quartiles_s": middle(obj)}
+
+
+def object_verdict(obj: dict) -> str:
+    """object_demo's timing read against its noise: slower (faster) only when the middle halves of
+    the two timings do not overlap."""
+    (t1, t3), (o1, o3) = obj["tensor_quartiles_s"], obj["object_quartiles_s"]
+    said = ("the object variant was slower" if o1 > t3 else "the object variant was faster" if o3 < t1
+            else "within this run's noise: the middle halves of the timings overlap")
+    return f"{obj['object_over_tensor']:.1f}x: {said}"
 
 
 def support_probe(device: torch.device) -> dict[str, str]:
