@@ -80,13 +80,40 @@ def comm_rows(scheme: str, calls: list[LoggedCollective], tokens: int, d_model: 
 
 def time_forward_backward(model: nn.Module, x: torch.Tensor, device, repeats: int) -> float:
     """Median seconds of one forward + backward, every repeat started on all ranks together."""
+    return _forward_backward_timing(model, x, device, repeats).median
+
+
+def _forward_backward_timing(model: nn.Module, x: torch.Tensor, device, repeats: int):
     xg = x.detach().clone().requires_grad_(True)
 
     def step():
         model.zero_grad(set_to_none=True)
         model(xg).square().mean().backward()
 
-    return measure(step, warmup=1, repeats=repeats, device=device, barrier=True).median
+    return measure(step, warmup=1, repeats=repeats, device=device, barrier=True)
+
+
+def _quartiles(samples) -> list[float]:
+    ordered = sorted(samples)
+    return [ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]]
+
+
+def split_verdict(scheme: str, seconds: dict, quartiles: dict, world_size: int) -> str:
+    """A scheme's forward+backward against a perfect split of the dense time (dense / N): the
+    difference is communication and overhead only when it exceeds the run's noise (the widths of
+    the middle halves of the scheme's and the dense run's repeats, the latter / N)."""
+    share = seconds["dense (one rank)"] / world_size
+    extra = seconds[scheme] - share
+    noise = (quartiles[scheme][1] - quartiles[scheme][0]
+             + (quartiles["dense (one rank)"][1] - quartiles["dense (one rank)"][0]) / world_size)
+    head = f"{scheme:9s}: {1e3 * seconds[scheme]:7.2f} ms = dense / N ({1e3 * share:.2f} ms) "
+    if extra > noise:
+        return head + f"+ {1e3 * extra:.2f} ms of communication and overhead"
+    if extra < -noise:
+        return head + (f"- {1e3 * -extra:.2f} ms: faster than a perfect split of the dense time (smaller "
+                       "matrices can run faster per flop), so the communication cost does not show")
+    return head + (f"{'+' if extra >= 0 else '-'} {1e3 * abs(extra):.2f} ms: within this run's noise "
+                   f"({1e3 * noise:.2f} ms), so the communication cost does not show on this run")
 
 
 def layer_comm_vs_compute(ctx: DistContext, tokens: int, d_in: int, d_out: int, repeats: int) -> dict:
@@ -238,14 +265,16 @@ def count_and_time_mlps(ctx: DistContext, x: torch.Tensor, dense: nn.Module, siz
     """Count one forward+backward of each scheme and time it (and the dense MLP on one rank).
     Needs the backward passes."""
     tokens, d_model, d_ff = sizes["tokens"], sizes["d_model"], sizes["d_ff"]
-    out = {"calls": {}, "comm_rows": [], "seconds": {}}
+    out = {"calls": {}, "comm_rows": [], "seconds": {}, "quartiles": {}}
     for scheme, build in SCHEMES.items():
         log = CommLog()
         calls = step_collectives(build(dense, None, log), log, x)
         out["calls"][scheme] = [asdict(c) for c in calls]
         out["comm_rows"] += comm_rows(scheme, calls, tokens, d_model, d_ff, ctx.world_size, 4)
-        out["seconds"][scheme] = time_forward_backward(build(dense, None, None), x, ctx.device, repeats)
-    out["seconds"]["dense (one rank)"] = time_forward_backward(dense, x, ctx.device, repeats)
+        timing = _forward_backward_timing(build(dense, None, None), x, ctx.device, repeats)
+        out["seconds"][scheme], out["quartiles"][scheme] = timing.median, _quartiles(timing.samples)
+    timing = _forward_backward_timing(dense, x, ctx.device, repeats)
+    out["seconds"]["dense (one rank)"], out["quartiles"]["dense (one rank)"] = timing.median, _quartiles(timing.samples)
     return out
 
 

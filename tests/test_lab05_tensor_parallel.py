@@ -201,7 +201,18 @@ def test_comm_lab_counts_bytes_as_the_formula_says(ranks):
         s = result["sizes"]
         megatron = [tuple(c["shape"]) for c in mlp["calls"]["megatron"]]
         assert megatron == [(s["batch"], s["seq"], s["d_model"])] * 2
-        assert set(mlp["seconds"]) == {"allgather", "megatron", "dense (one rank)"}
+        assert set(mlp["seconds"]) == set(mlp["quartiles"]) == {"allgather", "megatron", "dense (one rank)"}
+        for scheme, (q1, q3) in mlp["quartiles"].items():
+            assert q1 <= mlp["seconds"][scheme] <= q3, scheme
+
+
+def test_split_verdict_calls_small_differences_noise():
+    from labs.lab05_tp_comm_volume import split_verdict
+    quartiles = {"megatron": [0.009, 0.011], "dense (one rank)": [0.019, 0.021]}
+    said = lambda t: split_verdict("megatron", {"megatron": t, "dense (one rank)": 0.02}, quartiles, 2)  # noqa: E731
+    assert said(0.02).endswith("ms of communication and overhead")          # 10 ms over the split
+    assert "faster than a perfect split" in said(0.005)
+    assert "within this run's noise" in said(0.0105)
 
 
 def test_dtensor_parallelize_module_agrees_with_ours(ranks):
