@@ -232,6 +232,16 @@ def test_flight_recorder_shows_the_extra_collective(runs):
 def test_detail_costs_something(runs):
     overhead = get(runs, "hung").result.results[0]["detail_overhead"]
     assert overhead["plain"] > 0 and overhead["DETAIL"] > 0
+    assert len(overhead["rounds"]["plain"]) == len(overhead["rounds"]["DETAIL"]) >= 3
+    assert overhead["DETAIL"] in overhead["rounds"]["DETAIL"]
+
+
+def test_detail_verdict_needs_every_round_slower():
+    cost = lambda plain, detail: {"plain": sorted(plain)[1], "DETAIL": sorted(detail)[1],  # noqa: E731
+                                  "rounds": {"plain": plain, "DETAIL": detail}}
+    assert "slower in every round" in lab10_hangs.detail_verdict(cost([1e-4, 1.1e-4, 1.2e-4], [2e-4, 2.5e-4, 3e-4]))
+    said = lab10_hangs.detail_verdict(cost([1e-4, 1.1e-4, 3e-4], [2e-4, 2.5e-4, 2.6e-4]))
+    assert "no clear cost on this run" in said and "(2.3x)" in said
 
 
 def test_divergence_symptoms(runs):
