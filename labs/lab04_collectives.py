@@ -369,6 +369,30 @@ def print_summary(ctx: DistContext, record: dict) -> None:
           f"same {obj['numel']} floats as a tensor")
 
 
+def store_lines(stores: dict[int, dict], world_size: int) -> list[str]:
+    """The store demo's reading from every rank's record: add() hands out 1..N once each,
+    compare_set elects one winner everyone agrees on, what get() read, what a HashStore saw."""
+    counts = sorted(s["arrival"] for s in stores.values())
+    winners = {s["leader"] for s in stores.values()}
+    read = sorted({s["lr_read"] for s in stores.values()})
+    return [f"add('arrived', 1) returned {counts}: "
+            + ("a permutation of 1..N, no two ranks got the same number" if counts == list(range(1, world_size + 1))
+               else "NOT a permutation of 1..N on this run"),
+            "compare_set: " + (f"one winner, rank {min(winners)}, and every rank agrees" if len(winners) == 1
+                               else f"the ranks disagree on the winner: {sorted(winners)}"),
+            (f"get('config/lr') read {read[0]!r} on every rank" if len(read) == 1 else f"get('config/lr') read {read}")
+            + "; a HashStore " + ("saw another rank's keys" if any(s["hashstore_sees_others"] for s in stores.values())
+                                  else "saw none of the other ranks' keys")]
+
+
+def decomposition_verdict(dec: dict) -> str:
+    """all_reduce against reduce_scatter + all_gather and reduce + broadcast: exact on integers
+    (any order gives the same sum), float32 within rounding."""
+    exact = dec["int64"]["rs_ag_max_diff"] == 0 and dec["int64"]["reduce_bcast_max_diff"] == 0
+    return ("integers: " + ("both decompositions give exactly all_reduce's sums" if exact else "NOT exactly equal on this run")
+            + f"; float32: differences up to {max(dec['float32']['rs_ag_max_diff'], dec['float32']['reduce_bcast_max_diff']):.2g}")
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = Run.from_argv(argv)
     with distributed() as ctx:

@@ -399,3 +399,22 @@ def test_object_demo_reports_its_noise(labs):
     obj = labs[0]["tour"]["objects"]
     assert obj["tensor_quartiles_s"][0] <= obj["tensor_quartiles_s"][1] and obj["same_values"]
     assert object_verdict(obj).startswith(f"{obj['object_over_tensor']:.1f}x: ")
+
+
+def test_store_decomposition_and_server_verdicts_flip(labs):
+    from labs.lab04_collectives import decomposition_verdict, store_lines
+    from labs.lab04_traffic import server_verdict
+    stores = {r: labs[r]["tour"]["stores"] for r in range(NPROC)}
+    said = store_lines(stores, NPROC)
+    assert said[0].endswith("no two ranks got the same number") and "every rank agrees" in said[1]
+    broken = {r: dict(s, arrival=1, leader=r, lr_read=str(r)) for r, s in stores.items()}
+    said = store_lines(broken, NPROC)
+    assert said[0].endswith("NOT a permutation of 1..N on this run") and "disagree" in said[1]
+    assert "read [" in said[2]
+    dec = labs[0]["tour"]["decomposition"]
+    assert decomposition_verdict(dec).startswith("integers: both decompositions give exactly")
+    off = {**dec, "int64": {**dec["int64"], "rs_ag_max_diff": 1}}
+    assert decomposition_verdict(off).startswith("integers: NOT exactly equal on this run")
+    server = lambda sent: [{"N": n, "algorithm": "parameter server", "max sent / K": s} for n, s in sent]  # noqa: E731
+    assert server_verdict(server([(2, 1.0), (4, 3.0)])).endswith("= (N-1) K at every N")
+    assert server_verdict(server([(2, 1.0), (4, 2.0)])).endswith("(not (N-1) K on this run)")
