@@ -19,6 +19,7 @@ parallelism cross nodes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -311,6 +312,18 @@ def print_summary(ctx: DistContext, result: dict) -> None:
         table([{"scheme": k, "forward+backward ms": 1e3 * v} for k, v in mlp["seconds"].items()],
               title="Time per MLP (median)")
     table(step_traffic_rows(), title=f"{LLAMA2_70B.name}, one training step, {LLAMA2_70B_LAYOUT}")
+
+
+def formula_verdict(counted: float, formula: float) -> str:
+    """Counted bytes against the formula's: equal (to 1e-9 relative) or not."""
+    return ": equal" if math.isclose(counted, formula, rel_tol=1e-9) else ": they DIFFER on this run"
+
+
+def balance_sentence(supply_here: float, supply_there: float, there: str) -> str:
+    """Bytes per FLOP this machine supplies (measured) against another device + link's (quoted)."""
+    ratio = supply_here / supply_there
+    return (f"{there} supplies x{max(ratio, 1 / ratio):.1f} {'fewer' if ratio > 1 else 'more'} bytes per FLOP "
+            f"than this machine: its arithmetic outpaces its link {'more' if ratio > 1 else 'less'} than here")
 
 
 def main(argv: list[str] | None = None) -> None:

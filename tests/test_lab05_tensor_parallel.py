@@ -290,3 +290,23 @@ if __name__ == "__main__":
 
     with distributed() as ctx:
         ctx.report(**worker(ctx))
+
+
+def test_agreement_and_balance_verdicts_flip():
+    from labs.lab05_tp_comm_volume import balance_sentence
+    from labs.lab05_tp_dtensor import agreement_verdict
+    dt = {"placements": {"w": ["Shard(dim=0)"]}, "local_shapes": {"w": [4, 8]}, "our_shapes": {"w": [4, 8]},
+          "training": {}, "worst": 1e-6}
+    assert agreement_verdict(dt).startswith("shards, outputs, gradients and parameters: the same as ours")
+    assert agreement_verdict(dict(dt, training={"unsolved": "x"})).startswith("shards, outputs: the same")
+    assert "NOT the same as ours on this run (shapes equal: False" in agreement_verdict(dict(dt, our_shapes={"w": [8, 4]}))
+    assert "largest difference 1.0e-02" in agreement_verdict(dict(dt, worst=1e-2))
+    assert "x10.0 fewer bytes per FLOP" in balance_sentence(1e-2, 1e-3, "an H100") and "outpaces its link more" in \
+        balance_sentence(1e-2, 1e-3, "an H100")
+    assert "x10.0 more bytes per FLOP" in balance_sentence(1e-3, 1e-2, "an H100")
+
+
+def test_formula_verdict_flips():
+    from labs.lab05_tp_comm_volume import formula_verdict
+    assert formula_verdict(1024.0, 1024.0) == ": equal"
+    assert formula_verdict(1024.0, 2048.0) == ": they DIFFER on this run"
