@@ -225,6 +225,21 @@ def detail_verdict(cost: dict) -> str:
     return head + ": no clear cost on this run (the rounds overlap: timings on a shared machine vary)"
 
 
+def blame_verdict(blamed: int, culprit: int) -> str:
+    """Whether the rank the launcher blames is the one with the extra collective."""
+    return ("that is the rank with the extra all-reduce" if blamed == culprit else
+            f"rank {blamed} did nothing wrong: on this run the error points at an innocent")
+
+
+def waits_verdict(places: dict[int, tuple | None]) -> str | None:
+    """From every rank's (collective, caller) in its stack dump: different places mean a
+    collective not every rank calls. None when a dump is missing (nothing to conclude)."""
+    if len(places) < 2 or None in places.values():
+        return None
+    return ("the ranks wait in different collectives: one that not every rank calls" if len(set(places.values())) > 1
+            else "not on this run: the ranks wait in the same place")
+
+
 # ============================================================================ a real hang
 def log_final_loss(rank: int, loss: torch.Tensor) -> None:
     if rank == 0:

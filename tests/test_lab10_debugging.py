@@ -366,3 +366,27 @@ def test_rank_ordered_norm_differs_in_the_last_bits_only():
         assert torch.isclose(a, b, rtol=1e-6, atol=0), (a, b)
         differ += bool(a != b)
     assert differ >= 10, f"two orders gave the same float32 norm in {20 - differ} of 20 draws"
+
+
+def test_data_verdicts_flip():
+    from labs import lab10_data as data_lab
+    twice = lambda healthy, summed: {"DDP alone (healthy)": {"loss after the epoch": healthy},  # noqa: E731
+                                     "DDP + all_reduce(grad)": {"loss after the epoch": summed}}
+    assert data_lab.summed_verdict(twice(1.0, 0.5), 2).endswith("they trained better on this run")
+    assert data_lab.summed_verdict(twice(1.0, 2.0), 2).endswith("they trained worse on this run")
+    lines = data_lab.learning_rate_lines(one=0.1, same_lr=0.5, scaled=0.15, world_size=4)
+    assert lines[0].endswith("it learned less in the epoch") and "(the linear scaling rule at work)" in lines[1]
+    assert "(not most of it on this run)" in data_lab.learning_rate_lines(0.1, 0.5, 0.45, 4)[1]
+    assert data_lab.learning_rate_lines(0.5, 0.1, 0.1, 4) == [
+        "4 ranks at the same learning rate: 0.1 vs 0.5 for one process with batch B: not less on this run"]
+    assert data_lab.all_gather_verdict(0.3, 1.0).endswith("and nothing raised")
+    assert data_lab.all_gather_verdict(1e-8, 1.0).startswith("not on this run")
+
+
+def test_hang_verdicts_flip():
+    assert lab10_hangs.blame_verdict(0, 0) == "that is the rank with the extra all-reduce"
+    assert lab10_hangs.blame_verdict(1, 0).startswith("rank 1 did nothing wrong")
+    here, there = ("all_reduce", "log_final_loss"), ("barrier", "finish_training")
+    assert lab10_hangs.waits_verdict({0: here, 1: there}).startswith("the ranks wait in different collectives")
+    assert lab10_hangs.waits_verdict({0: here, 1: here}).startswith("not on this run")
+    assert lab10_hangs.waits_verdict({0: here, 1: None}) is None
