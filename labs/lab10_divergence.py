@@ -239,10 +239,10 @@ def naive_run(bug: str, rank: int, world_size: int, device, steps: int, reinit_s
 def norms_differ_at(clip_norms: list[float], world_size: int) -> list[int]:
     """The steps at which some rank clipped with a total norm not bitwise equal to rank 0's (the
     cause the non-deterministic variant plants; the replicas can only drift after one)."""
-    mine = torch.tensor(clip_norms, dtype=torch.float32)
-    everyone = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine)
-    return (torch.stack(everyone) != everyone[0]).any(dim=0).nonzero().flatten().tolist()
+    norms = torch.tensor(clip_norms, dtype=torch.float32)
+    by_rank = [torch.empty_like(norms) for _ in range(world_size)]
+    dist.all_gather(by_rank, norms)
+    return (torch.stack(by_rank) != by_rank[0]).any(dim=0).nonzero().flatten().tolist()
 
 
 def checked_run(bug: str, rank: int, world_size: int, device, steps: int, every: int,
