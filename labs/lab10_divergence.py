@@ -152,15 +152,14 @@ def total_norm_in_rank_order(grads: list[torch.Tensor], rank: int) -> torch.Tens
     """sqrt(sum of every gradient element squared), the squares added one at a time in float32 in
     an order drawn from `rank`, as a GPU's atomic adds land in an order set by thread timing.
 
-    The sum runs element by element, in Python, on purpose: float addition is not associative,
+    The sum runs element by element, in order, on purpose: float addition is not associative,
     and over the model's ~740 terms two orders almost never give the same float32 sum, on any
     machine. (Adding up six per-tensor norms in a rotated order, or letting `Tensor.sum` choose
     its own order, gave bitwise-equal totals at every step on some CPUs: no drift to see.)"""
     squares = torch.cat([g.detach().float().reshape(-1) for g in grads]).pow(2)  # exact, elementwise
     order = torch.randperm(squares.numel(), generator=torch.Generator().manual_seed(rank))
-    total = numpy.float32(0.0)
-    for s in squares.cpu().numpy()[order.numpy()]:
-        total = numpy.float32(total + s)  # one float32 rounding per addition
+    # numpy's accumulate adds strictly left to right, rounding to float32 after every addition
+    total = numpy.add.accumulate(squares.cpu().numpy()[order.numpy()], dtype=numpy.float32)[-1]
     return torch.tensor(float(total), dtype=torch.float32, device=grads[0].device).sqrt()
 
 
