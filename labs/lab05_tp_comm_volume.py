@@ -314,6 +314,13 @@ def print_summary(ctx: DistContext, result: dict) -> None:
     table(step_traffic_rows(), title=f"{LLAMA2_70B.name}, one training step, {LLAMA2_70B_LAYOUT}")
 
 
+def rows_verdict(comm_rows: list[dict]) -> str:
+    """Every row's counted bytes against its formula (1e-9 MB apart at most), or the largest gap."""
+    off = max(abs(r["sent/rank MB (counted)"] - r["sent/rank MB (formula)"]) for r in comm_rows)
+    return "counted bytes " + ("equal the formulas in every row" if off < 1e-9 else
+                               f"differ from the formulas by up to {off:.3g} MB (see the table)")
+
+
 def formula_verdict(counted: float, formula: float) -> str:
     """Counted bytes against the formula's: equal (to 1e-9 relative) or not."""
     return ": equal" if math.isclose(counted, formula, rel_tol=1e-9) else ": they DIFFER on this run"

@@ -310,3 +310,10 @@ def test_formula_verdict_flips():
     from labs.lab05_tp_comm_volume import formula_verdict
     assert formula_verdict(1024.0, 1024.0) == ": equal"
     assert formula_verdict(1024.0, 2048.0) == ": they DIFFER on this run"
+
+
+def test_rows_verdict_flips():
+    from labs.lab05_tp_comm_volume import rows_verdict
+    row = lambda counted, formula: {"sent/rank MB (counted)": counted, "sent/rank MB (formula)": formula}  # noqa: E731
+    assert rows_verdict([row(1.0, 1.0), row(2.0, 2.0)]) == "counted bytes equal the formulas in every row"
+    assert rows_verdict([row(1.0, 1.0), row(2.5, 2.0)]).startswith("counted bytes differ from the formulas by up to 0.5")

@@ -390,3 +390,9 @@ def test_hang_verdicts_flip():
     assert lab10_hangs.waits_verdict({0: here, 1: there}).startswith("the ranks wait in different collectives")
     assert lab10_hangs.waits_verdict({0: here, 1: here}).startswith("not on this run")
     assert lab10_hangs.waits_verdict({0: here, 1: None}) is None
+
+
+def test_blame_line_flips():
+    assert lab10_crashes.blame_line(1, 0).endswith("rank 0: the survivor, whose error is a consequence")
+    assert lab10_crashes.blame_line(1, 1) == "rank 1 was killed; the launcher blames rank 1"
+    assert lab10_crashes.blame_line(1, None).endswith("blames no rank")
