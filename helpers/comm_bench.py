@@ -13,8 +13,10 @@ Used by notebooks 03, 04 and 09 and their labs and tests:
   busbw is the rate each rank's link must carry for a bandwidth-optimal (ring) algorithm to
   finish in time t; it does not depend on n, so it can be compared with the hardware's link speed.
   `side_by_side()` races a few cases at one size in alternating rounds (fair ratios on a noisy
-  machine); `fit_latency_bandwidth()` fits t(S) = latency + S / bandwidth (`all_reduce_fit()`
-  sweeps the all-reduce and fits it); `fit_call_costs()` splits what small calls cost into a
+  machine; each row also carries the busbw of its slower and faster quartile rounds, the run's
+  noise); `NEIGHBOUR_EXCHANGE` is the raw link under a ring, send/recv of its chunk S/n between the
+  same neighbours (busbw = algbw), to race beside an all-reduce; `fit_latency_bandwidth()` fits
+  t(S) = latency + S / bandwidth (`all_reduce_fit()` sweeps the all-reduce and fits it); `fit_call_costs()` splits what small calls cost into a
   fixed cost per call and a latency per ring step; `machine_limit()` measures what one process can copy (local
   memory on the CPU; on GPUs the device copy, and the GPU-to-GPU copy when there are two).
   `LINK_BYTES_PER_S`: vendors' link speeds, per direction (the unit busbw is in).
@@ -64,7 +66,8 @@ LINK_BYTES_PER_S = {             # per direction
 # ----------------------------------------------------------------------------- bus bandwidth
 # The ring's bytes sent per rank per byte of size; broadcast's factor is 1 by nccl-tests' choice
 # (its ring sends (n-1)/n, but every rank must receive the whole tensor).
-BUS_FACTORS: dict[str, Callable[[int], float]] = {**RING_SHARE, "broadcast": lambda n: 1.0}
+BUS_FACTORS: dict[str, Callable[[int], float]] = {**RING_SHARE, "broadcast": lambda n: 1.0,
+                                                  "sendrecv": lambda n: 1.0}
 
 
 def bus_factor(kind: str, world_size: int) -> float:
@@ -142,6 +145,30 @@ BUILTIN_CASES = (
     Case("reduce_scatter", "reduce_scatter", _build_reduce_scatter),
     Case("broadcast", "broadcast", _build_broadcast),
 )
+
+
+def _build_neighbour_exchange(numel, device, group):
+    # The ring's own link pattern: every rank sends a chunk to the next rank and receives one from
+    # the previous, both posted at once. S is the chunk, what one rank sends: busbw = algbw.
+    n = _world(group)
+    if n < 2:
+        raise ValueError("a neighbour exchange needs at least 2 ranks")
+    me = dist.get_rank(group)
+    right, left = (dist.get_global_rank(group, (me + k) % n) if group is not None else (me + k) % n
+                   for k in (1, -1))
+    send = torch.zeros(max(1, numel // n), device=device)
+    recv = torch.empty_like(send)
+
+    def op():
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),
+                                            dist.P2POp(dist.irecv, recv, left, group)]):
+            work.wait()
+    return op, send.nbytes
+
+
+# The raw link under a ring of the same size S: send/recv of its chunk, S/n, between the same
+# neighbours (not in BUILTIN_CASES: side_by_side races it beside an all-reduce of size S).
+NEIGHBOUR_EXCHANGE = Case("send/recv (ring's chunk)", "sendrecv", _build_neighbour_exchange)
 
 
 def all_reduce_case(name: str, fn: Callable[..., object]) -> Case:
@@ -231,9 +258,13 @@ def side_by_side(cases: Sequence[Case], size_bytes: int, *, device: torch.device
     rows = []
     for case, (_, size), times in zip(cases, built, samples):
         seconds = slowest(Timing(tuple(times)).median, device, group)
+        ordered = sorted(times)  # the middle half of the rounds: the run's own noise
+        q1, q3 = (slowest(ordered[i], device, group) for i in (len(ordered) // 4, (3 * len(ordered)) // 4))
         rows.append({"op": case.name, "kind": case.kind, "size": size_bytes, "bytes": size,
                      "seconds": seconds, "algbw_GBps": algbw(size, seconds) / 1e9,
-                     "busbw_GBps": busbw(case.kind, size, seconds, n) / 1e9, "rounds": rounds})
+                     "busbw_GBps": busbw(case.kind, size, seconds, n) / 1e9, "rounds": rounds,
+                     "busbw_q1_GBps": busbw(case.kind, size, q3, n) / 1e9,   # slower rounds, less busbw
+                     "busbw_q3_GBps": busbw(case.kind, size, q1, n) / 1e9})
     return rows
 
 

@@ -225,6 +225,36 @@ def ours_vs_dataparallel(width: int, depth: int, batch_size: int, num_replicas: 
             "grad_diff_ours_vs_dp": max(max_diff(a, b) for a, b in zip(grads["ours"], grads["dp"]))}
 
 
+@dataclass(frozen=True)
+class Equivalence:
+    """ThreadDataParallel against the plain module on one batch: the largest differences."""
+    replicas: int          # replicas asked for
+    batch: int
+    replicas_used: int     # fewer when the batch gives fewer pieces (scatter follows torch.chunk)
+    outputs: float
+    input_grads: float
+    param_grads: float
+
+    def worst(self) -> float:
+        return max(self.outputs, self.input_grads, self.param_grads)
+
+
+def equivalence(num_replicas: int, batch_size: int, width: int = 16, num_classes: int = 5) -> Equivalence:
+    """One cross-entropy step of ThreadDataParallel and of the plain module (same weights, same
+    batch); the largest differences of outputs, input gradients and parameter gradients."""
+    torch.manual_seed(0)
+    x, y = torch.randn(batch_size, width), torch.randint(0, num_classes, (batch_size,))
+    plain, master = make_mlp(width, 2, num_classes), make_mlp(width, 2, num_classes)  # same seed: same weights
+    x_plain, x_dp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    tdp = ThreadDataParallel(master, num_replicas)
+    out_plain, out_dp = plain(x_plain), tdp(x_dp)
+    F.cross_entropy(out_plain, y).backward()
+    F.cross_entropy(out_dp, y).backward()
+    return Equivalence(num_replicas, batch_size, tdp.last_step.num_replicas, max_diff(out_dp, out_plain),
+                       max_diff(x_dp.grad, x_plain.grad),
+                       max(max_diff(a.grad, b.grad) for a, b in zip(master.parameters(), plain.parameters())))
+
+
 # ----------------------------------------------------------------------------------------------
 # ThreadDataParallel, measured
 # ----------------------------------------------------------------------------------------------
@@ -307,6 +337,61 @@ def traffic_vs_replicas(width: int, depth: int, batch_size: int, replica_counts)
     return rows
 
 
+@dataclass(frozen=True)
+class TrafficGrowth:
+    """How replica 0's traffic grows with N, from traffic_vs_replicas' first multi-replica row
+    to its last, in units of C (the parameter bytes), beside a ring all-reduce's per device."""
+    C: int
+    n_first: int
+    n_last: int
+    sent_per_replica: float      # bytes replica 0 sends more per extra replica, / C
+    received_per_replica: float  # and receives
+    ring_first: float            # a ring's 2(N-1)/N per device at n_first and n_last, / C
+    ring_last: float
+
+    def sentence(self) -> str:
+        grows = ("grows with N" if min(self.sent_per_replica, self.received_per_replica) > 0.5 else
+                 "does not grow with N")
+        return (f"measured: each extra replica adds {self.sent_per_replica:.2f}·C to what replica 0 sends "
+                f"and {self.received_per_replica:.2f}·C to what it receives (its traffic {grows}); over "
+                f"the same N, {self.n_first} to {self.n_last}, a ring's 2·C·(N-1)/N per device goes from "
+                f"{self.ring_first:.2f}·C to {self.ring_last:.2f}·C (never above 2·C)")
+
+
+def traffic_growth(rows: list[dict]) -> TrafficGrowth:
+    """The slopes of traffic_vs_replicas' rows (rows[0] is one replica: nothing crosses)."""
+    first, last = rows[1], rows[-1]
+    c, dn = rows[0]["C"], last["replicas"] - first["replicas"]
+    ring = lambda n: 2 * (n - 1) / n  # noqa: E731
+    return TrafficGrowth(c, first["replicas"], last["replicas"], (last["sent"] - first["sent"]) / dn / c,
+                         (last["received"] - first["received"]) / dn / c,
+                         ring(first["replicas"]), ring(last["replicas"]))
+
+
+def traffic_table(rows: list[dict]) -> list[dict]:
+    mib, c = 2.0 ** -20, rows[0]["C"]
+    return [{"N": r["replicas"], "sent (MiB)": mib * r["sent"], "of which parameters": mib * r["broadcast params"],
+             "received (MiB)": mib * r["received"], "of which gradients": mib * r["reduce param grads"],
+             "sent / C": r["sent"] / c, "received / C": r["received"] / c} for r in rows]
+
+
+def plot_traffic(rows: list[dict]):
+    """Bytes over replica 0's link per direction against N, with the star's and a ring's models."""
+    import matplotlib.pyplot as plt
+    mib, c, n = 2.0 ** -20, rows[0]["C"], [r["replicas"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot(n, [mib * r["sent"] for r in rows], "o-", label="measured: replica 0 sends")
+    ax.plot(n, [mib * r["received"] for r in rows], "s--", label="measured: replica 0 receives")
+    ax.plot(n, [mib * c * (k - 1) for k in n], ":", color="black", label="star model: C·(N-1)")
+    ax.plot(n, [mib * 2 * c * (k - 1) / k for k in n], "-.", color="gray",
+            label="ring all-reduce, each device: 2·C·(N-1)/N")
+    ax.set(title="Bytes over replica 0's link per step, one direction", xlabel="replicas N",
+           ylabel="MiB per direction")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def link_bytes_per_direction(param_bytes: int, num_devices: int) -> dict[str, float]:
     """Parameter and gradient bytes the busiest device's link carries in ONE direction per step.
 
@@ -349,11 +434,25 @@ def threads_vs_serial(configs: dict[str, dict], num_replicas: int = 2,
                 serial.append(_seconds(lambda: serial_apply(replicas, chunks), x.device))
                 threaded.append(_seconds(lambda: parallel_apply(replicas, chunks), x.device))
         serial_s, threads_s = statistics.median(serial[2:]), statistics.median(threaded[2:])  # two warm-ups
+        ratios = [s / t for s, t in zip(serial[2:], threaded[2:])]  # each pair ran back to back
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
         ops = 2 * cfg["depth"] + 1  # linear and relu ops per replica forward
         rows.append({"model": name, **cfg, "params": sum(p.numel() for p in model.parameters()),
                      "ms_per_op": 1e3 * serial_s / (ops * len(chunks)),
-                     "serial_s": serial_s, "threads_s": threads_s, "speedup": serial_s / threads_s})
+                     "serial_s": serial_s, "threads_s": threads_s, "speedup": serial_s / threads_s,
+                     "speedup_q1": q1, "speedup_q3": q3})
     return rows
+
+
+def threads_verdict(row: dict) -> str:
+    """threads_vs_serial's verdict for one model: faster or slower only when the middle half of
+    the back-to-back pairs' speed-ups lies on one side of 1; otherwise the run's noise decides."""
+    spread = f"x{row['speedup']:.2f}, middle half of {row['speedup_q1']:.2f}-{row['speedup_q3']:.2f}"
+    if row["speedup_q1"] > 1:
+        return f"{row['model']} model: 2 threads ran faster than the loop ({spread})"
+    if row["speedup_q3"] < 1:
+        return f"{row['model']} model: 2 threads ran slower than the loop ({spread})"
+    return f"{row['model']} model: 2 threads and the loop are within this run's noise ({spread})"
 
 
 def stacked_bars(labels, stacks: dict[str, list[float]], *, title: str, ylabel: str,

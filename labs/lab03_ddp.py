@@ -372,6 +372,13 @@ class Run(runs.Run):
     SMOKE = dict(depth=6, small_cap_mb=0.5)
 
 
+def cap_verdict(buckets: Sequence[int], cap_mb: float) -> str:
+    """BucketedDDP's first-step buckets (bytes) against its cap."""
+    within = all(b <= cap_mb * 2**20 for b in buckets)
+    return (f"BucketedDDP's buckets at bucket_cap_mb={cap_mb:g}: {[round(b / 1024) for b in buckets]} KiB, "
+            + ("each at or below the cap" if within else "NOT all within the cap"))
+
+
 def run(ctx: DistContext, cfg: Run) -> dict:
     """Which buckets each wrapper all-reduces, step by step: torch DDP's rule vs BucketedDDP's."""
     width, depth, steps, small_cap = cfg.width, cfg.depth, cfg.steps, cfg.small_cap_mb

@@ -141,7 +141,41 @@ def bench(ctx: DistContext, width: int, depth: int, local_batch_size: int,
     for row, _ in steps:
         times = sorted(samples[row["method"]])
         row["step ms"] = 1e3 * times[len(times) // 2]
+        row["step ms q1"], row["step ms q3"] = 1e3 * times[len(times) // 4], 1e3 * times[(3 * len(times)) // 4]
     return rows
+
+
+def step_ratio(a: dict, b: dict) -> str:
+    """a's median step time over b's, and the verdict: faster (slower) only when a's third
+    quartile lies below b's first (its first above b's third); otherwise within the run's noise."""
+    ratio = f"{a['step ms'] / b['step ms']:.2f}x"
+    if a["step ms q3"] < b["step ms q1"]:
+        return f"{ratio}, faster"
+    if a["step ms q1"] > b["step ms q3"]:
+        return f"{ratio}, slower"
+    return f"{ratio}, within this run's noise (the middle halves of their steps overlap)"
+
+
+def summary_lines(rows: list[dict], cfg: dict) -> list[str]:
+    """The notebook's reading of the benchmark table: message counts and step-time ratios."""
+    by = {r["method"]: r for r in rows}
+    naive, flat, overlapped = by["naive"], by["flat"], by["overlapped"]
+    capped = [r for r in rows if r["method"].endswith(" MiB")]
+    lines = [f"flat / naive step time:       {step_ratio(flat, naive)} ({naive['buckets/step']} messages -> 1)",
+             f"overlapped / naive step time: {step_ratio(overlapped, naive)} (same {naive['buckets/step']} "
+             "messages, launched during backward)",
+             f"caps from {min(cfg['caps_mb']):g} to {max(cfg['caps_mb']):g} MiB: "
+             f"{min(r['buckets/step'] for r in capped)} to {max(r['buckets/step'] for r in capped)} buckets per "
+             f"step, {min(r['params/bucket'] for r in capped):g} to {max(r['params/bucket'] for r in capped):g} "
+             f"parameters per bucket. A cap below one layer's weight and bias ({cfg['layer_bytes'] / 1024:.1f} KiB) "
+             f"would put every parameter in a bucket of its own: the overlapped row, "
+             f"{overlapped['buckets/step']} messages"]
+    for cap in cfg["caps_mb"]:
+        ours, theirs = by.get(f"BucketedDDP {cap:g} MiB"), by[f"torch DDP {cap:g} MiB"]
+        if ours:
+            lines.append(f"BucketedDDP / torch DDP at {cap:g} MiB: {step_ratio(ours, theirs)} "
+                         f"({ours['buckets/step']} vs {theirs['buckets/step']} buckets)")
+    return lines
 
 
 # --- the alpha-beta model ------------------------------------------------------------------------

@@ -140,6 +140,21 @@ class Run(runs.Run):
     SMOKE = dict(sizes=(16, 32, 32, 4), steps=3, bucket_cap_mb=0.002)
 
 
+FLOAT32_ROUNDING = 1e-5  # the largest parameter gap to one process that float32 sums in another order explain
+
+
+def naive_verdict(naive: dict[int, dict]) -> list[str]:
+    """What naive averaging's run says, from every rank's record: the local losses differ, the
+    gradients and parameters do not, and how far they are from one process with the global batch."""
+    losses_differ = len({tuple(rec["losses"]) for rec in naive.values()}) > 1
+    same = all(rec["grad_spread_over_ranks"] == 0 and rec["param_spread_over_ranks"] == 0 for rec in naive.values())
+    largest = max(rec["max_param_diff_vs_reference"] for rec in naive.values())
+    return [f"losses differ between ranks: {losses_differ}; gradients and parameters identical on every rank: {same}",
+            f"largest difference from one process with the global batch: {largest:.2g} "
+            + ("(float32 rounding)" if largest <= FLOAT32_ROUNDING else
+               "(more than float32 rounding: not the same training on this run)")]
+
+
 def run(ctx: DistContext, cfg: Run) -> dict:
     sizes, steps = list(cfg.sizes), cfg.steps
     local_batch_size, bucket_cap_mb = cfg.local_batch_size, cfg.bucket_cap_mb

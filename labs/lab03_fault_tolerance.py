@@ -147,6 +147,14 @@ class Run(runs.Run):
         return 2 * self.ckpt_every + (self.ckpt_every + 1) // 2
 
 
+def resume_verdict(max_diff_vs_uninterrupted: float, tol: float = 1e-5) -> str:
+    """Whether the restarted run reproduced the uninterrupted one (float32 rounding: `tol`)."""
+    lost = max_diff_vs_uninterrupted
+    return (f"final parameters vs an uninterrupted run (one process, global batch): max |diff| = {lost:.2g}: "
+            + ("float32 rounding, nothing was lost" if lost <= tol else
+               "more than rounding: the resumed run did NOT reproduce it"))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = Run.from_argv(argv)
     folder = Path(args.ckpt_dir) if args.ckpt_dir else run_dir("lab03_fault_tolerance")

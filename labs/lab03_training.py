@@ -188,6 +188,19 @@ def no_sync_demo(ctx: DistContext, sizes: list[int], micro_batches: int,
     return out
 
 
+def accumulation_lines(acc: dict) -> list[str]:
+    """no_sync_demo's reading: the bytes saved, whether every way equals one big batch (float32
+    rounding: 1e-5), and what a forward outside no_sync() costs in all-reduces."""
+    every, inside, outside = (acc[k] for k in ("sync every micro-batch", "no_sync, forward inside",
+                                               "no_sync, forward outside"))
+    same = max(v["max_grad_diff_vs_big_batch"] for v in (every, inside, outside)) <= 1e-5
+    return [f"no_sync sends {every['bytes'] / inside['bytes']:.0f}x fewer bytes; the gradients "
+            + ("all equal one big batch's (float32 rounding)" if same else "do NOT all equal one big batch's on this run"),
+            f"with the forward outside no_sync() it sends {outside['collectives']} all-reduces, "
+            + ("as many as without no_sync" if outside["collectives"] == every["collectives"]
+               else f"against {every['collectives']} without no_sync and {inside['collectives']} with the forward inside")]
+
+
 def lr_scaling(batch_sizes: tuple[int, ...] = (8, 64), samples: int = 2048, lr: float = 0.01,
                seed: int = 0) -> list[dict]:
     """Linear regression trained with SGD on the same number of samples at each batch size, at the

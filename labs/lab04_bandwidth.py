@@ -10,15 +10,18 @@ all-gather and reduce-scatter, 1 for broadcast; nccl-tests' definitions). It fit
 time = latency + size / bandwidth per operation (the smallest messages pin down the latency, the
 largest the bandwidth), measures the machine's own limit (a memory copy on the CPU, the GPU's
 copies on GPUs), and races our ring against the backend's all-reduce at 16 MiB in alternating
-rounds: the goal is a ring at 0.8x or more of its bus bandwidth. Until the ring is written (the
-homework, labs/lab04_ring.py) the lab runs everything else and reports that it is not.
+rounds: the goal is a ring at 0.8x or more of its bus bandwidth. The same race times the raw link
+under them: send/recv of the ring's chunk (S/n) between the same neighbours, both posted at once, so
+each all-reduce's bus bandwidth reads as a fraction of what the link moved in the same rounds.
+Until the ring is written (the homework, labs/lab04_ring.py) the lab runs everything else and
+reports that it is not.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from helpers import runs
-from helpers.comm_bench import (BUILTIN_CASES, MiB, all_reduce_case, default_sizes,
+from helpers.comm_bench import (BUILTIN_CASES, NEIGHBOUR_EXCHANGE, MiB, all_reduce_case, default_sizes,
                                 fit_latency_bandwidth, machine_limit, side_by_side, sweep)
 from helpers.dist import DistContext, distributed
 from helpers.show import table
@@ -69,18 +72,52 @@ def run(ctx: DistContext, cfg: Run) -> dict:
     goal_size = cfg.goal_size
     rows = sweep([*BUILTIN_CASES, *ring], list(cfg.sizes), device=ctx.device, warmup=1,
                  repeats=cfg.repeats)
-    race = side_by_side([BUILTIN_CASES[0], *ring], goal_size, device=ctx.device,
-                        rounds=cfg.rounds) if ring else []
+    race = side_by_side([BUILTIN_CASES[0], NEIGHBOUR_EXCHANGE, *ring], goal_size, device=ctx.device,
+                        rounds=cfg.rounds)
     limits = machine_limit(ctx.device, cfg.limit_size, repeats=cfg.limit_repeats) if ctx.rank == 0 else []
     ctx.barrier()  # the others wait while rank 0 measures the limit alone
-    if unsolved:
-        goal = unsolved
-    else:
-        ratio = race[1]["busbw_GBps"] / race[0]["busbw_GBps"]
-        goal = {"size_bytes": goal_size, "ratio": ratio, "target": GOAL_RATIO,
-                "met": ratio >= GOAL_RATIO, "world_size": ctx.world_size, "race": race}
+    goal = unsolved or ring_goal(race, goal_size, ctx.world_size)
     return {"bench_rows": rows, "fits": fits_by_op(rows), "limits": limits, "ring": goal,
-            "backend": ctx.backend}
+            "race": race, "backend": ctx.backend}
+
+
+def ring_goal(race: list[dict], size_bytes: int, world_size: int) -> dict:
+    """Our ring's bus bandwidth over the built-in all-reduce's, from the race, against GOAL_RATIO."""
+    by = {r["op"]: r for r in race}
+    ratio = by["ring (ours)"]["busbw_GBps"] / by["all_reduce"]["busbw_GBps"]
+    return {"size_bytes": size_bytes, "ratio": ratio, "target": GOAL_RATIO, "met": ratio >= GOAL_RATIO,
+            "world_size": world_size, "race": race}
+
+
+@dataclass(frozen=True)
+class LinkShare:
+    """An all-reduce's bus bandwidth as a fraction of the raw link's (send/recv of the ring's
+    chunk between the same neighbours, timed in the same alternating rounds)."""
+    op: str
+    busbw_GBps: float
+    link_GBps: float
+    fraction: float
+    low: float   # the fraction from the slower quartile of the all-reduce and the faster of the link
+    high: float  # and the other way round: the run's own noise
+
+    def sentence(self) -> str:
+        if self.low <= 1 <= self.high:
+            verdict = "at the link's rate within this run's noise"
+        elif self.low > 1:
+            verdict = "above the raw send/recv rate (the exchange is not this link's ceiling here)"
+        else:
+            verdict = (f"below the link's rate even at its best rounds: the rest of its time goes to work "
+                       f"between transfers (the additions, the waits between steps)")
+        return (f"{self.op}: bus bandwidth {self.busbw_GBps:.2f} GB/s = {self.fraction:.0%} of the raw "
+                f"send/recv {self.link_GBps:.2f} GB/s (middle half {self.low:.0%}-{self.high:.0%}): {verdict}")
+
+
+def link_shares(race: list[dict]) -> list[LinkShare]:
+    """One LinkShare per all-reduce in the race (the built-in one, and our ring once written)."""
+    link = next(r for r in race if r["kind"] == "sendrecv")
+    return [LinkShare(r["op"], r["busbw_GBps"], link["busbw_GBps"], r["busbw_GBps"] / link["busbw_GBps"],
+                      r["busbw_q1_GBps"] / link["busbw_q3_GBps"], r["busbw_q3_GBps"] / link["busbw_q1_GBps"])
+            for r in race if r["kind"] == "all_reduce"]
 
 
 def print_summary(result: dict) -> None:
@@ -92,6 +129,8 @@ def print_summary(result: dict) -> None:
           title="fit: time = latency + size / bandwidth")
     for limit in result["limits"]:
         print(f"machine limit: {limit['limit']}: {limit['GBps']:.2f} GB/s")
+    for share in link_shares(result["race"]):
+        print(share.sentence())
     g = result["ring"]
     if "unsolved" in g:
         print("ring_all_reduce is not written yet (the homework, labs/lab04_ring.py): no ring in this run")

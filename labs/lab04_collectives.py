@@ -256,13 +256,23 @@ def object_demo(rank: int, world_size: int, device: torch.device, numel: int = 2
     as_list = values.tolist()
     gathered = [torch.empty_like(values) for _ in range(world_size)]
     objects = [None] * world_size
-    t_tensor = measure(lambda: dist.all_gather(gathered, values), repeats=repeats, device=device,
-                       barrier=True).median
-    t_object = measure(lambda: dist.all_gather_object(objects, as_list), repeats=repeats,
-                       device=device, barrier=True).median
+    tensor = measure(lambda: dist.all_gather(gathered, values), repeats=repeats, device=device, barrier=True)
+    obj = measure(lambda: dist.all_gather_object(objects, as_list), repeats=repeats, device=device,
+                  barrier=True)
     same = all(objects[r] == gathered[r].tolist() for r in range(world_size))
-    return {"notes": notes, "numel": numel, "tensor_s": t_tensor, "object_s": t_object,
-            "object_over_tensor": t_object / t_tensor, "same_values": same}
+    middle = lambda t: [sorted(t.samples)[len(t.samples) // 4], sorted(t.samples)[(3 * len(t.samples)) // 4]]  # noqa: E731
+    return {"notes": notes, "numel": numel, "tensor_s": tensor.median, "object_s": obj.median,
+            "object_over_tensor": obj.median / tensor.median, "same_values": same,
+            "tensor_quartiles_s": middle(tensor), "object_quartiles_s": middle(obj)}
+
+
+def object_verdict(obj: dict) -> str:
+    """object_demo's timing read against its noise: slower (faster) only when the middle halves of
+    the two timings do not overlap."""
+    (t1, t3), (o1, o3) = obj["tensor_quartiles_s"], obj["object_quartiles_s"]
+    said = ("the object variant was slower" if o1 > t3 else "the object variant was faster" if o3 < t1
+            else "within this run's noise: the middle halves of the timings overlap")
+    return f"{obj['object_over_tensor']:.1f}x: {said}"
 
 
 def support_probe(device: torch.device) -> dict[str, str]:
@@ -357,6 +367,30 @@ def print_summary(ctx: DistContext, record: dict) -> None:
     obj = records[0]["objects"]
     print(f"all_gather_object took {obj['object_over_tensor']:.1f}x as long as all_gather of the "
           f"same {obj['numel']} floats as a tensor")
+
+
+def store_lines(stores: dict[int, dict], world_size: int) -> list[str]:
+    """The store demo's reading from every rank's record: add() hands out 1..N once each,
+    compare_set elects one winner everyone agrees on, what get() read, what a HashStore saw."""
+    counts = sorted(s["arrival"] for s in stores.values())
+    winners = {s["leader"] for s in stores.values()}
+    read = sorted({s["lr_read"] for s in stores.values()})
+    return [f"add('arrived', 1) returned {counts}: "
+            + ("a permutation of 1..N, no two ranks got the same number" if counts == list(range(1, world_size + 1))
+               else "NOT a permutation of 1..N on this run"),
+            "compare_set: " + (f"one winner, rank {min(winners)}, and every rank agrees" if len(winners) == 1
+                               else f"the ranks disagree on the winner: {sorted(winners)}"),
+            (f"get('config/lr') read {read[0]!r} on every rank" if len(read) == 1 else f"get('config/lr') read {read}")
+            + "; a HashStore " + ("saw another rank's keys" if any(s["hashstore_sees_others"] for s in stores.values())
+                                  else "saw none of the other ranks' keys")]
+
+
+def decomposition_verdict(dec: dict) -> str:
+    """all_reduce against reduce_scatter + all_gather and reduce + broadcast: exact on integers
+    (any order gives the same sum), float32 within rounding."""
+    exact = dec["int64"]["rs_ag_max_diff"] == 0 and dec["int64"]["reduce_bcast_max_diff"] == 0
+    return ("integers: " + ("both decompositions give exactly all_reduce's sums" if exact else "NOT exactly equal on this run")
+            + f"; float32: differences up to {max(dec['float32']['rs_ag_max_diff'], dec['float32']['reduce_bcast_max_diff']):.2g}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -236,6 +236,14 @@ def print_summary(ctx: DistContext, result: dict) -> None:
         print("ring_all_reduce is not written yet (the homework, labs/lab04_ring.py): no ring rows")
 
 
+def server_verdict(summary: list[dict]) -> str:
+    """The parameter server's busiest rank against the (N-1) K model, at every N measured."""
+    server = {row["N"]: row["max sent / K"] for row in summary if row["algorithm"] == "parameter server"}
+    return (f"parameter server, busiest rank sends: {', '.join(f'N={n}: {v:g} K' for n, v in server.items())} "
+            + ("= (N-1) K at every N" if all(abs(v - (n - 1)) < 1e-9 for n, v in server.items())
+               else "(not (N-1) K on this run)"))
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = Run.from_argv(argv)
     with distributed() as ctx:

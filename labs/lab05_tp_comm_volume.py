@@ -19,6 +19,7 @@ parallelism cross nodes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -80,13 +81,40 @@ def comm_rows(scheme: str, calls: list[LoggedCollective], tokens: int, d_model: 
 
 def time_forward_backward(model: nn.Module, x: torch.Tensor, device, repeats: int) -> float:
     """Median seconds of one forward + backward, every repeat started on all ranks together."""
+    return _forward_backward_timing(model, x, device, repeats).median
+
+
+def _forward_backward_timing(model: nn.Module, x: torch.Tensor, device, repeats: int):
     xg = x.detach().clone().requires_grad_(True)
 
     def step():
         model.zero_grad(set_to_none=True)
         model(xg).square().mean().backward()
 
-    return measure(step, warmup=1, repeats=repeats, device=device, barrier=True).median
+    return measure(step, warmup=1, repeats=repeats, device=device, barrier=True)
+
+
+def _quartiles(samples) -> list[float]:
+    ordered = sorted(samples)
+    return [ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]]
+
+
+def split_verdict(scheme: str, seconds: dict, quartiles: dict, world_size: int) -> str:
+    """A scheme's forward+backward against a perfect split of the dense time (dense / N): the
+    difference is communication and overhead only when it exceeds the run's noise (the widths of
+    the middle halves of the scheme's and the dense run's repeats, the latter / N)."""
+    share = seconds["dense (one rank)"] / world_size
+    extra = seconds[scheme] - share
+    noise = (quartiles[scheme][1] - quartiles[scheme][0]
+             + (quartiles["dense (one rank)"][1] - quartiles["dense (one rank)"][0]) / world_size)
+    head = f"{scheme:9s}: {1e3 * seconds[scheme]:7.2f} ms = dense / N ({1e3 * share:.2f} ms) "
+    if extra > noise:
+        return head + f"+ {1e3 * extra:.2f} ms of communication and overhead"
+    if extra < -noise:
+        return head + (f"- {1e3 * -extra:.2f} ms: faster than a perfect split of the dense time (smaller "
+                       "matrices can run faster per flop), so the communication cost does not show")
+    return head + (f"{'+' if extra >= 0 else '-'} {1e3 * abs(extra):.2f} ms: within this run's noise "
+                   f"({1e3 * noise:.2f} ms), so the communication cost does not show on this run")
 
 
 def layer_comm_vs_compute(ctx: DistContext, tokens: int, d_in: int, d_out: int, repeats: int) -> dict:
@@ -238,14 +266,16 @@ def count_and_time_mlps(ctx: DistContext, x: torch.Tensor, dense: nn.Module, siz
     """Count one forward+backward of each scheme and time it (and the dense MLP on one rank).
     Needs the backward passes."""
     tokens, d_model, d_ff = sizes["tokens"], sizes["d_model"], sizes["d_ff"]
-    out = {"calls": {}, "comm_rows": [], "seconds": {}}
+    out = {"calls": {}, "comm_rows": [], "seconds": {}, "quartiles": {}}
     for scheme, build in SCHEMES.items():
         log = CommLog()
         calls = step_collectives(build(dense, None, log), log, x)
         out["calls"][scheme] = [asdict(c) for c in calls]
         out["comm_rows"] += comm_rows(scheme, calls, tokens, d_model, d_ff, ctx.world_size, 4)
-        out["seconds"][scheme] = time_forward_backward(build(dense, None, None), x, ctx.device, repeats)
-    out["seconds"]["dense (one rank)"] = time_forward_backward(dense, x, ctx.device, repeats)
+        timing = _forward_backward_timing(build(dense, None, None), x, ctx.device, repeats)
+        out["seconds"][scheme], out["quartiles"][scheme] = timing.median, _quartiles(timing.samples)
+    timing = _forward_backward_timing(dense, x, ctx.device, repeats)
+    out["seconds"]["dense (one rank)"], out["quartiles"]["dense (one rank)"] = timing.median, _quartiles(timing.samples)
     return out
 
 
@@ -282,6 +312,25 @@ def print_summary(ctx: DistContext, result: dict) -> None:
         table([{"scheme": k, "forward+backward ms": 1e3 * v} for k, v in mlp["seconds"].items()],
               title="Time per MLP (median)")
     table(step_traffic_rows(), title=f"{LLAMA2_70B.name}, one training step, {LLAMA2_70B_LAYOUT}")
+
+
+def rows_verdict(comm_rows: list[dict]) -> str:
+    """Every row's counted bytes against its formula (1e-9 MB apart at most), or the largest gap."""
+    off = max(abs(r["sent/rank MB (counted)"] - r["sent/rank MB (formula)"]) for r in comm_rows)
+    return "counted bytes " + ("equal the formulas in every row" if off < 1e-9 else
+                               f"differ from the formulas by up to {off:.3g} MB (see the table)")
+
+
+def formula_verdict(counted: float, formula: float) -> str:
+    """Counted bytes against the formula's: equal (to 1e-9 relative) or not."""
+    return ": equal" if math.isclose(counted, formula, rel_tol=1e-9) else ": they DIFFER on this run"
+
+
+def balance_sentence(supply_here: float, supply_there: float, there: str) -> str:
+    """Bytes per FLOP this machine supplies (measured) against another device + link's (quoted)."""
+    ratio = supply_here / supply_there
+    return (f"{there} supplies x{max(ratio, 1 / ratio):.1f} {'fewer' if ratio > 1 else 'more'} bytes per FLOP "
+            f"than this machine: its arithmetic outpaces its link {'more' if ratio > 1 else 'less'} than here")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -105,6 +105,17 @@ def run(ctx: DistContext, cfg: Run) -> dict:
                              steps=cfg.steps, dtype=getattr(torch, cfg.dtype))
 
 
+def agreement_verdict(dt: dict, tol: float = 1e-4) -> str:
+    """parallelize_module against our layers, from run()'s record: the same shards and every
+    difference (outputs; gradients and parameters once the backward is written) within `tol`."""
+    same_shards = all(list(dt["local_shapes"][n]) == list(dt["our_shapes"][n]) for n in dt["placements"])
+    what = "shards, outputs" + ("" if "unsolved" in dt["training"] else ", gradients and parameters")
+    return f"{what}: " + (f"the same as ours, up to float32 rounding (every difference <= {tol:g})"
+                          if same_shards and dt["worst"] <= tol else
+                          f"NOT the same as ours on this run (shapes equal: {same_shards}, largest "
+                          f"difference {dt['worst']:.1e})")
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = Run.from_argv(argv)
     with distributed() as ctx:

@@ -299,6 +299,39 @@ def compare(run: dict, reference: dict) -> dict:
     return out
 
 
+def comparison_rows(results: dict[int, dict]) -> list[dict]:
+    """The notebook's table from every rank's report: per run, the last stage's losses and their
+    largest relative gap to single-process training, and the largest parameter gap on any stage;
+    then the single-process row."""
+    last = results[len(results) - 1]
+    rows = [{"run": key, "first loss": run["losses"][0], "last loss": run["losses"][-1],
+             "max rel. loss diff": run["max_loss_rel_diff"],
+             "max abs param diff": max(r["runs"][key]["max_param_diff"] for r in results.values())}
+            for key, run in last["runs"].items()]
+    reference = last["reference_losses"]
+    return rows + [{"run": "single process", "first loss": reference[0], "last loss": reference[-1]}]
+
+
+def within_tolerances(rows: list[dict]) -> bool:
+    """Every pipelined row of comparison_rows within LOSS_RTOL (losses) and PARAM_ATOL (parameters)."""
+    return all(r["max rel. loss diff"] <= LOSS_RTOL and r["max abs param diff"] <= PARAM_ATOL
+               for r in rows if "max rel. loss diff" in r)
+
+
+def tracer_lines(runs: dict[str, dict], has_tracer: bool) -> list[str]:
+    """What tracing warned, and whether pipeline() itself is deprecated on this torch."""
+    notes = sorted({n for run in runs.values() for n in run["notes"]})
+    lines = [f"tracing with pipeline() warned: {note}" for note in notes]
+    if not has_tracer:
+        lines.append("this torch has no pipeline(): the lab used the manual frontend (PipelineStage) for both schedules")
+    elif any("pipeline" in n and "deprecat" in n.lower() for n in notes):
+        lines.append("pipeline() itself is deprecated on this torch: prefer the manual frontend (PipelineStage)")
+    else:
+        lines.append("pipeline() itself is not deprecated on this torch"
+                     + (" (the warnings above come from torch's tracing internals)" if notes else ""))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     config = Run.from_argv(argv)
     with distributed() as ctx:

@@ -335,6 +335,16 @@ def bubble_conclusion(name: str, runs: dict[int, dict], num_stages: int, *, smok
     return lines
 
 
+def activation_verdict(stage: int, gpipe_kib: float, one_f_one_b_kib: float, band: float = 1.05) -> str:
+    """What 1F1B's cap on in-flight micro-batches saved on one stage, from the measured peaks
+    (bytes counted by saved-tensor hooks: exact, no noise; `band` only absorbs allocator rounding)."""
+    ratio = gpipe_kib / one_f_one_b_kib
+    said = (f"{ratio:.1f}x less with 1F1B" if ratio > band else
+            "about the same (m is at most p - s here, so 1F1B's cap does not bite)" if ratio >= 1 / band
+            else f"{1 / ratio:.1f}x MORE with 1F1B: not what its schedule promises")
+    return f"stage {stage}: 1F1B holds {one_f_one_b_kib:.0f} KiB, GPipe {gpipe_kib:.0f} KiB: {said}"
+
+
 def timeline_from_report(rows: list[list[list]]) -> list[list[TimedAction]]:
     """TimedActions from a measured timeline in JSON: rows[stage] = [[kind, mb, start, end], ...]."""
     return [[TimedAction(stage, k, int(mb), s, e) for k, mb, s, e in actions]

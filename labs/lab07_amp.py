@@ -25,6 +25,7 @@ Two experiments measure what goes wrong otherwise:
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,16 @@ def run(ctx: DistContext, cfg: Run) -> None:
         ctx.print0(f"{label:32s}: steps skipped {run['skipped']}, max |param - uninterrupted| "
                    f"{run['max_param_diff']:.2e}")
     ctx.report(clipping=clip, resume=resume)
+
+
+def clip_verdict(clip: dict) -> str:
+    """clipping_experiment's first-step norms: clipping the scaled gradients sees S times the norm
+    that unscale_ then clip sees (equal within 0.1%), or it does not."""
+    ratio = clip["clip scaled gradients"]["norms"][0] / clip["unscale_ then clip"]["norms"][0]
+    scale = clip["clip scaled gradients"]["scale"]
+    return (f"ratio of the norms seen: {ratio:.0f}; the scale S = {scale:.0f}: "
+            + ("equal, so clipping the scaled gradients compared S times the true norm with max_norm"
+               if math.isclose(ratio, scale, rel_tol=1e-3) else "NOT equal on this run"))
 
 
 def main(argv: list[str] | None = None) -> None:

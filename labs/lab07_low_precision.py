@@ -396,6 +396,54 @@ def run(ctx: DistContext, cfg: Run) -> None:
                params_checksum={label: run["params"].double().sum().item() for label, run in runs.items()})
 
 
+def precision_lines(final: dict[str, float], zeros: dict[str, float], steps: int, smoke: bool) -> list[str]:
+    """The notebook's reading of train_precision's runs: `final` the mean loss of the last steps
+    and `zeros` the mean zero-gradient fraction, per run label (fp32, bf16, fp16, fp16 + loss
+    scaling, and any more). fp16 "fell behind" only if its gap to fp32 is over 1% and twice the
+    others'; underflow "lost entries" only if fp16's zero share exceeds fp32's by 1 point while
+    every scaled run stays within 1 point of fp32's."""
+    gap = {label: final[label] / final["fp32"] - 1 for label in final}
+    lines = [f"{label:28s} ends {abs(gap[label]):6.2%} {'above' if gap[label] > 0 else 'below'} fp32"
+             for label in final if label != "fp32"]
+    others = max(abs(gap[k]) for k in ("bf16", "fp16 + loss scaling"))
+    if gap["fp16"] > 2 * others and gap["fp16"] > 0.01:
+        lines.append(f"fp16 without loss scaling fell behind ({gap['fp16']:.1%} above fp32, the others within {others:.2%}).")
+    else:
+        lines.append(f"Not on this run ({steps} steps): fp16 without scaling is not clearly behind "
+                     f"({gap['fp16']:+.2%} vs at most {others:.2%} for the others). Its lost gradients cost more "
+                     "as the loss and the gradients shrink" + ("; the full-size run trains longer." if smoke else "."))
+    scaled = [label for label in zeros if "scal" in label.lower()]
+    lifted = max(abs(zeros[label] - zeros["fp32"]) for label in scaled)
+    lines.append(f"zero weight-gradient entries (mean over steps): fp32 {zeros['fp32']:.2%}, fp16 {zeros['fp16']:.2%}, "
+                 + ", ".join(f"{label} {zeros[label]:.2%}" for label in scaled))
+    if zeros["fp16"] > zeros["fp32"] + 0.01 and lifted < 0.01:
+        lines.append("fp16 without scaling lost gradient entries to underflow; loss scaling brought the share back "
+                     "to fp32's (within 1 point).")
+    else:
+        lines.append("Not on this run: the zero-gradient shares do not separate fp16 without scaling from the "
+                     "scaled runs by more than 1 point (see the right-hand plot).")
+    return lines
+
+
+def wire_lines(dp: dict[str, dict]) -> list[str]:
+    """The reading of the data-parallel runs (fp32, fp32 on the wire, bf16 on the wire, in that
+    order): bytes, the bf16 all-reduce's error against autocast's own, and where it comes from."""
+    labels = list(dp)
+    fp32, wire32, bf16 = (dp[label] for label in labels[:3])
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    ratio = mean(bf16["autocast_errors"]) / mean(bf16["comm_errors"])
+    exact = bf16["bf16_exact_fraction"]
+    return [f"bytes on the wire: bf16 {bf16['bytes_per_all_reduce']} vs fp32 {wire32['bytes_per_all_reduce']}",
+            f"the bf16 all-reduce adds an error {max(ratio, 1 / ratio):.1f}x {'smaller' if ratio > 1 else 'larger'} "
+            "than autocast's own",
+            f"under bf16 autocast, {exact:.2%} of a rank's gradient entries were already bf16 values (they come out "
+            f"of bf16 matmuls): casting them for the wire changed {1 - exact:.2%} of them, "
+            + ("so the wire's error comes from rounding the sum of the ranks' gradients to bf16" if exact > 0.99
+               else "so the wire's error comes both from that cast and from rounding the sum of the ranks' "
+                    "gradients to bf16"),
+            f"final loss, bf16 all-reduce / fp32 training: {bf16['losses'][-1] / fp32['losses'][-1]:.3f}"]
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = Run.from_argv(argv)
     with distributed() as ctx:

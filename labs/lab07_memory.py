@@ -226,6 +226,24 @@ def run(ctx: DistContext, cfg: Run) -> None:
     ctx.report(counts=counts, checkpointing=sweep)
 
 
+def checkpointing_lines(sweep: list[dict], smoke: bool) -> list[str]:
+    """checkpointing_sweep's reading at its two largest depths: each mode's growth of the peak,
+    and which mode has the smallest peak (sqrt(L) segments should, at depth)."""
+    depths = sorted({r["depth"] for r in sweep})
+    modes = list(dict.fromkeys(r["mode"] for r in sweep))
+    peak = {(r["depth"], r["mode"]): r["peak backward"] for r in sweep}
+    a, b = depths[-2], depths[-1]
+    lines = [f"{mode:17s}: {b // a}x the depth ({a} -> {b} blocks) gave {peak[b, mode] / peak[a, mode]:.2f}x the peak"
+             for mode in modes]
+    lines.append(f"(linear growth is {b // a:.0f}x, sqrt growth {math.sqrt(b / a):.0f}x)")
+    best = min(modes, key=lambda mode: peak[b, mode])
+    lines.append(f"at {b} blocks the smallest peak is {best}'s"
+                 + ("" if best == "sqrt(L) segments" else
+                    "; the full-size run (to 256 blocks) shows whether sqrt(L) segments overtake it" if smoke else
+                    f"; not on this run: sqrt(L) segments did not overtake it up to {b} blocks"))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = Run.from_argv(argv)
     with distributed() as ctx:

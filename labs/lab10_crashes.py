@@ -87,6 +87,14 @@ class Run(runs.Run):
 
 
 @record  # torchrun's summary then shows this rank's traceback (TORCHELASTIC_ERROR_FILE)
+def blame_line(killed_rank: int, failed_rank: int | None) -> str:
+    """Whom the launcher blames for a killed rank: none, the killed rank, or a survivor whose
+    error is only a consequence."""
+    return (f"rank {killed_rank} was killed; the launcher blames "
+            + ("no rank" if failed_rank is None else f"rank {failed_rank}")
+            + (": the survivor, whose error is a consequence" if failed_rank not in (None, killed_rank) else ""))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = Run.from_argv(argv)
     crash = "recoverable" if args.crash == "none" else args.crash

@@ -289,6 +289,34 @@ def run(ctx: DistContext, cfg: Run) -> dict:
     return out
 
 
+# ============================================================================ the notebook's verdicts
+def summed_verdict(twice: dict, world_size: int) -> str:
+    """Gradients summed instead of averaged: did the N-times-larger steps train better or worse
+    than the healthy run over the epoch (either can happen: it is a larger learning rate)."""
+    healthy, summed = (twice[k]["loss after the epoch"] for k in ("DDP alone (healthy)", "DDP + all_reduce(grad)"))
+    return (f"gradients {world_size} times too large: loss {summed:.3g} after the epoch vs {healthy:.3g} healthy: "
+            + ("they trained better on this run" if summed < healthy else "they trained worse on this run"))
+
+
+def learning_rate_lines(one: float, same_lr: float, scaled: float, world_size: int) -> list[str]:
+    """One epoch's loss for one process with batch B, N ranks at the same learning rate, and N
+    ranks at N times it: whether N ranks learned less, and how much of the gap the scaling recovered."""
+    lines = [f"{world_size} ranks at the same learning rate: {same_lr:.3g} vs {one:.3g} for one process with batch B: "
+             + ("it learned less in the epoch" if same_lr > one else "not less on this run")]
+    if same_lr > one:
+        recovered = (same_lr - scaled) / (same_lr - one)
+        lines.append(f"at {world_size} x the learning rate: {scaled:.3g}, {recovered:.0%} of the gap recovered"
+                     + (" (the linear scaling rule at work)" if recovered > 0.5 else " (not most of it on this run)"))
+    return lines
+
+
+def all_gather_verdict(wrong: float, size: float) -> str:
+    """torch's autograd all_gather against the reference: wrong when off by more than 1e-5 of the
+    gradients' size."""
+    return (f"torch's all_gather: input gradients off by up to {wrong:.2g}, and nothing raised" if wrong > 1e-5 * size
+            else "not on this run: torch's all_gather's backward matched the reference")
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = Run.from_argv(argv)
     with distributed() as ctx:

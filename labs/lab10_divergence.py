@@ -10,8 +10,9 @@ averaging, healthy and with one bug planted per variant:
 - a pretrained backbone loaded on rank 0 only, never broadcast (a forgotten broadcast);
 - a random re-initialisation at step k drawn from each rank's own RNG (random state);
 - BatchNorm's running statistics never averaged (a buffer not synchronised);
-- gradient clipping whose total norm adds the per-tensor norms in a rank-dependent order, as an
-  atomic-add reduction on a GPU would (a non-deterministic op: the ranks differ in the last bits).
+- gradient clipping whose total norm adds the squared gradient elements in a rank-dependent
+  order, as an atomic-add reduction on a GPU would (a non-deterministic op: the ranks differ in
+  the last bits).
 Dropout masks differ across ranks in every variant, the healthy one included: that is harmless,
 since the averaged gradient is the same on every rank.
 
@@ -27,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -147,15 +149,18 @@ def average_(tensors, world_size: int) -> None:
 
 
 def total_norm_in_rank_order(grads: list[torch.Tensor], rank: int) -> torch.Tensor:
-    """sqrt(sum of squared per-tensor norms), added up starting at tensor `rank`: float addition
-    is not associative, so each rank gets a slightly different total (as an atomic-add reduction
-    on a GPU would, whose order depends on thread timing)."""
-    squares = [g.float().pow(2).sum() for g in grads]
-    start = rank % len(squares)
-    total = torch.zeros((), device=grads[0].device)
-    for s in squares[start:] + squares[:start]:
-        total = total + s
-    return total.sqrt()
+    """sqrt(sum of every gradient element squared), the squares added one at a time in float32 in
+    an order drawn from `rank`, as a GPU's atomic adds land in an order set by thread timing.
+
+    The sum runs element by element, in order, on purpose: float addition is not associative,
+    and over the model's ~740 terms two orders almost never give the same float32 sum, on any
+    machine. (Adding up six per-tensor norms in a rotated order, or letting `Tensor.sum` choose
+    its own order, gave bitwise-equal totals at every step on some CPUs: no drift to see.)"""
+    squares = torch.cat([g.detach().float().reshape(-1) for g in grads]).pow(2)  # exact, elementwise
+    order = torch.randperm(squares.numel(), generator=torch.Generator().manual_seed(rank))
+    # numpy's accumulate adds strictly left to right, rounding to float32 after every addition
+    total = numpy.add.accumulate(squares.cpu().numpy()[order.numpy()], dtype=numpy.float32)[-1]
+    return torch.tensor(float(total), dtype=torch.float32, device=grads[0].device).sqrt()
 
 
 class Replica:
@@ -164,6 +169,7 @@ class Replica:
     def __init__(self, bug: str, rank: int, world_size: int, device, reinit_step: int):
         self.bug, self.rank, self.world_size, self.device = bug, rank, world_size, device
         self.reinit_step = reinit_step
+        self.clip_norms: list[float] = []  # the total norm this rank clipped with, per step
         self.model = make_model(SEED + rank if bug == "different initialisation" else SEED).to(device)
         if bug == "forgotten broadcast" and rank == 0:
             # a "pretrained" backbone loaded from a checkpoint on rank 0 only; no broadcast follows
@@ -179,10 +185,9 @@ class Replica:
         loss.backward()
         grads = [p.grad for p in self.model.parameters()]
         average_(grads, self.world_size)
-        if self.bug == "non-deterministic reduction":
-            scale = (CLIP_NORM / (total_norm_in_rank_order(grads, self.rank) + 1e-6)).clamp(max=1.0)
-        else:
-            scale = (CLIP_NORM / (total_norm_in_rank_order(grads, 0) + 1e-6)).clamp(max=1.0)
+        norm = total_norm_in_rank_order(grads, self.rank if self.bug == "non-deterministic reduction" else 0)
+        self.clip_norms.append(norm.item())
+        scale = (CLIP_NORM / (norm + 1e-6)).clamp(max=1.0)
         with torch.no_grad():  # plain SGD on the clipped gradient
             for p, g in zip(self.model.parameters(), grads):
                 p.sub_(LR * scale * g)
@@ -226,7 +231,17 @@ def naive_run(bug: str, rank: int, world_size: int, device, steps: int, reinit_s
         if step < steps:
             replica.step(step)
     return {"max_diff": curve, "first": first, "bytes_per_check": sent,
-            "model_bytes": sum(t.nbytes for t in replica.model.state_dict().values())}
+            "model_bytes": sum(t.nbytes for t in replica.model.state_dict().values()),
+            "norms_differ_at": norms_differ_at(replica.clip_norms, world_size)}
+
+
+def norms_differ_at(clip_norms: list[float], world_size: int) -> list[int]:
+    """The steps at which some rank clipped with a total norm not bitwise equal to rank 0's (the
+    cause the non-deterministic variant plants; the replicas can only drift after one)."""
+    norms = torch.tensor(clip_norms, dtype=torch.float32)
+    by_rank = [torch.empty_like(norms) for _ in range(world_size)]
+    dist.all_gather(by_rank, norms)
+    return (torch.stack(by_rank) != by_rank[0]).any(dim=0).nonzero().flatten().tolist()
 
 
 def checked_run(bug: str, rank: int, world_size: int, device, steps: int, every: int,
@@ -267,6 +282,60 @@ def run(ctx: DistContext, cfg: Run) -> dict:
             unsolved = record["check"]
         out["variants"][bug] = record
     return out
+
+
+# ============================================================================ the verdicts
+@dataclass(frozen=True)
+class Symptom:
+    """What the naive check saw of one variant, and the sentence the notebook prints for it."""
+    variant: str
+    first_step: int | None        # steps done when the replicas first differed (None: never)
+    names: tuple[str, ...]        # the tensors that differed then
+    diff_then: float              # the largest |rank r - rank 0| then
+    diff_at_end: float            # and after the last step
+    trend: str                    # "grew", "shrank", "stayed within 10%" ("" when never)
+    norms_differ_at: tuple[int, ...]  # steps at which the ranks clipped with different norms
+    sentence: str
+
+
+def trend(then: float, end: float, band: float = 1.1) -> str:
+    """How a difference changed from when it appeared to the end: within a factor `band`, it stayed."""
+    return "grew" if end > band * then else "shrank" if end < then / band else f"stayed within {band - 1:.0%}"
+
+
+def symptom(variant: str, rec: dict, reinit_step: int | None = None) -> Symptom:
+    curve, first = rec["max_diff"], rec["first"]
+    causes = tuple(rec.get("norms_differ_at", ()))
+    if variant == "random state" and reinit_step is not None:
+        cause = f" The re-initialisation ran during step {reinit_step}."
+    elif variant == "non-deterministic reduction" and not causes:
+        cause = (" The rank-dependent order gave bitwise-equal clipping norms at every step in this run,"
+                 " so there was nothing to drift from (another order or machine can differ).")
+    elif variant == "non-deterministic reduction":
+        cause = (f" The ranks' clipping norms differed in the last bits at {len(causes)} of"
+                 f" {len(curve) - 1} steps (first at step {causes[0]})"
+                 + ("." if first else ", and every such difference was rounded away in the update."))
+    else:
+        cause = ""
+    if first is None:
+        return Symptom(variant, None, (), 0.0, curve[-1], "", causes,
+                       f"{variant}: bitwise equal at every check." + cause)
+    at = first["step"]
+    how = trend(curve[at], curve[-1])
+    return Symptom(variant, at, tuple(first["names"]), curve[at], curve[-1], how, causes,
+                   f"{variant}: first differs after {at} steps done ({', '.join(first['names'])}); largest "
+                   f"difference {curve[at]:.1e} then, {curve[-1]:.1e} after {len(curve) - 1} steps ({how})."
+                   + cause)
+
+
+def symptoms(out: dict) -> list[Symptom]:
+    """One Symptom per variant of a run(...) result, in VARIANTS order."""
+    return [symptom(name, rec, out.get("reinit_step")) for name, rec in out["variants"].items()]
+
+
+def healthy_stays_equal(out: dict) -> bool:
+    """The healthy replicas were bitwise equal at every check (dropout masks differ, the models not)."""
+    return max(out["variants"]["healthy"]["max_diff"]) == 0
 
 
 def summary_rows(out: dict) -> list[dict]:

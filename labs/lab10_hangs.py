@@ -193,8 +193,9 @@ def hang_clinic(rank: int) -> dict:
     return records
 
 
-def detail_overhead(calls: int) -> dict:
-    """Seconds per small all-reduce on a plain group and on a DETAIL group (median of 3 rounds)."""
+def detail_overhead(calls: int, rounds: int = 5) -> dict:
+    """Seconds per small all-reduce on a plain group and on a DETAIL group: the median of
+    `rounds` rounds, the two groups alternating (a burst of load hits both), and every round."""
     plain = new_group(name="plain", backend="gloo")
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     try:
@@ -202,17 +203,41 @@ def detail_overhead(calls: int) -> dict:
     finally:
         dist.set_debug_level(dist.DebugLevel.OFF)
     x = torch.ones(16)
-    out = {}
-    for name, group in (("plain", plain), ("DETAIL", checked)):
-        rounds = []
-        for _ in range(3):
+    seen: dict[str, list[float]] = {"plain": [], "DETAIL": []}
+    for _ in range(rounds):
+        for name, group in (("plain", plain), ("DETAIL", checked)):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(calls):
                 dist.all_reduce(x, group=group)
-            rounds.append((time.perf_counter() - start) / calls)
-        out[name] = sorted(rounds)[1]
-    return out
+            seen[name].append((time.perf_counter() - start) / calls)
+    return {**{name: sorted(r)[len(r) // 2] for name, r in seen.items()}, "rounds": seen}
+
+
+def detail_verdict(cost: dict) -> str:
+    """detail_overhead read against its noise: DETAIL costs something only if every one of its
+    rounds was slower than every plain round."""
+    ratio = cost["DETAIL"] / cost["plain"]
+    head = (f"DETAIL's price: {cost['DETAIL'] * 1e6:.0f} us per all-reduce of 16 floats vs "
+            f"{cost['plain'] * 1e6:.0f} us plain ({ratio:.1f}x)")
+    if min(cost["rounds"]["DETAIL"]) > max(cost["rounds"]["plain"]):
+        return head + ": slower in every round, a debugging setting, not a production one"
+    return head + ": no clear cost on this run (the rounds overlap: timings on a shared machine vary)"
+
+
+def blame_verdict(blamed: int, culprit: int) -> str:
+    """Whether the rank the launcher blames is the one with the extra collective."""
+    return ("that is the rank with the extra all-reduce" if blamed == culprit else
+            f"rank {blamed} did nothing wrong: on this run the error points at an innocent")
+
+
+def waits_verdict(places: dict[int, tuple | None]) -> str | None:
+    """From every rank's (collective, caller) in its stack dump: different places mean a
+    collective not every rank calls. None when a dump is missing (nothing to conclude)."""
+    if len(places) < 2 or None in places.values():
+        return None
+    return ("the ranks wait in different collectives: one that not every rank calls" if len(set(places.values())) > 1
+            else "not on this run: the ranks wait in the same place")
 
 
 # ============================================================================ a real hang

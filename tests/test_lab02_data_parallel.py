@@ -215,3 +215,31 @@ def test_stacked_bars_draws_one_segment_per_stack_and_label():
     tops = sorted((p.get_x(), p.get_y() + p.get_height()) for p in ax.patches)
     assert [top for _, top in tops] == [1.0, 4.0, 2.0, 2.5]
     assert ax.get_title() == "t" and ax.get_ylabel() == "ms"
+
+
+# ------------------------------------------------------------------------------ the notebook's verdicts
+def test_equivalence_reports_each_difference():
+    for replicas, batch in [(2, 7), (3, 4)]:
+        eq = costs.equivalence(replicas, batch)
+        assert eq.replicas_used == len(torch.zeros(batch).chunk(replicas)) and eq.worst() <= 1e-6, eq
+    broken = costs.Equivalence(2, 7, 2, 0.0, 0.0, 3e-3)
+    assert broken.worst() == 3e-3  # a wrong gradient alone fails the notebook's check
+
+
+def test_traffic_growth_flips_between_star_and_flat():
+    rows = costs.traffic_vs_replicas(width=16, depth=2, batch_size=8, replica_counts=[1, 2, 4])
+    growth = costs.traffic_growth(rows)
+    assert growth.sent_per_replica > 0.9 and "grows with N" in growth.sentence()
+    assert [r["N"] for r in costs.traffic_table(rows)] == [1, 2, 4]
+    flat = [dict(r, sent=r["C"], received=r["C"]) for r in rows]  # a pipelined broadcast + reduce
+    assert "does not grow with N" in costs.traffic_growth(flat).sentence()
+
+
+def test_threads_verdict_calls_overlapping_runs_noise():
+    row = lambda q1, q3: {"model": "m", "speedup": (q1 + q3) / 2, "speedup_q1": q1, "speedup_q3": q3}  # noqa: E731
+    assert "faster than" in costs.threads_verdict(row(1.3, 1.6))
+    assert "slower than" in costs.threads_verdict(row(0.6, 0.8))
+    assert "within this run's noise" in costs.threads_verdict(row(0.9, 1.2))
+    measured = costs.threads_vs_serial({"tiny": dict(width=8, depth=2, batch_size=4)}, repeats=3)[0]
+    assert measured["speedup_q1"] <= measured["speedup_q3"]
+    assert costs.threads_verdict(measured).startswith("tiny model: 2 threads")

@@ -293,3 +293,47 @@ if __name__ == "__main__":
         for name in sys.argv[1:]:
             ctx.report(**{name: run_lab(importlib.import_module(f"labs.{name}"), ctx, "smoke")})
         ctx.report(done=True)
+
+
+def test_step_ratio_calls_overlapping_quartiles_noise():
+    from labs.lab03_ddp_bench import step_ratio, summary_lines
+    row = lambda q1, med, q3, **kw: {"step ms q1": q1, "step ms": med, "step ms q3": q3, **kw}  # noqa: E731
+    assert step_ratio(row(8, 9, 10), row(12, 13, 14)).endswith("faster")
+    assert step_ratio(row(12, 13, 14), row(8, 9, 10)).endswith("slower")
+    assert "within this run's noise" in step_ratio(row(8, 11, 13), row(10, 12, 14))
+    rows = [row(8, 9, 10, method=m, **{"buckets/step": n, "params/bucket": 2}) for m, n in
+            [("naive", 8), ("flat", 1), ("overlapped", 8), ("torch DDP 1 MiB", 3), ("BucketedDDP 1 MiB", 3)]]
+    lines = summary_lines(rows, {"caps_mb": [1.0], "layer_bytes": 4096})
+    assert lines[0].startswith("flat / naive step time:") and "8 messages -> 1" in lines[0]
+    assert lines[-1].startswith("BucketedDDP / torch DDP at 1 MiB: 1.00x, within")
+
+
+def test_benchmark_reports_quartiles(labs_run):
+    for row in labs_run[0]["lab03_ddp_bench"]["bench"]:
+        if "unsolved" not in row:
+            assert row["step ms q1"] <= row["step ms"] <= row["step ms q3"], row["method"]
+
+
+def test_notebook_verdicts_flip():
+    from labs.lab03_ddp import cap_verdict
+    from labs.lab03_equivalence import naive_verdict
+    from labs.lab03_training import accumulation_lines
+    rec = lambda losses, spread, gap: {"losses": losses, "grad_spread_over_ranks": spread,  # noqa: E731
+                                       "param_spread_over_ranks": spread, "max_param_diff_vs_reference": gap}
+    good = naive_verdict({0: rec([1.0], 0, 1e-7), 1: rec([2.0], 0, 2e-7)})
+    assert "losses differ between ranks: True" in good[0] and "identical on every rank: True" in good[0]
+    assert good[1].endswith("(float32 rounding)")
+    bad = naive_verdict({0: rec([1.0], 0.5, 0.3), 1: rec([1.0], 0.5, 0.3)})
+    assert "losses differ between ranks: False" in bad[0] and "identical on every rank: False" in bad[0]
+    assert "not the same training" in bad[1]
+    assert cap_verdict([1024, 2048], 1.0).endswith("each at or below the cap")
+    assert cap_verdict([2 * 2**20], 1.0).endswith("NOT all within the cap")
+    way = lambda n, b, gap: {"collectives": n, "bytes": b, "max_grad_diff_vs_big_batch": gap}  # noqa: E731
+    acc = {"sync every micro-batch": way(4, 400, 0.0), "no_sync, forward inside": way(1, 100, 0.0),
+           "no_sync, forward outside": way(4, 400, 0.0)}
+    lines = accumulation_lines(acc)
+    assert "4x fewer bytes" in lines[0] and "all equal one big batch's" in lines[0]
+    assert lines[1].endswith("as many as without no_sync")
+    acc["no_sync, forward outside"] = way(2, 200, 1e-3)
+    lines = accumulation_lines(acc)
+    assert "do NOT all equal" in lines[0] and "against 4 without no_sync and 1 with the forward inside" in lines[1]

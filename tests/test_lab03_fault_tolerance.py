@@ -60,3 +60,9 @@ def test_final_parameters_equal_an_uninterrupted_run(killed_run):
     resumed = dict(map(tuple, res[0]["attempt1_losses"]))
     for step, loss in resumed.items():
         assert loss == pytest.approx(ref_losses[int(step)], rel=1e-5)
+
+
+def test_resume_verdict_flips():
+    from labs.lab03_fault_tolerance import resume_verdict
+    assert resume_verdict(3e-7).endswith("float32 rounding, nothing was lost")
+    assert resume_verdict(0.02).endswith("the resumed run did NOT reproduce it")

@@ -329,8 +329,38 @@ def test_bandwidth_sweep_rows(labs):
 
 def test_bandwidth_race_against_the_ring(labs):
     goal = solved(labs[0]["bandwidth"]["ring"])
-    assert goal["ratio"] > 0 and [r["op"] for r in goal["race"]] == ["all_reduce", "ring (ours)"]
+    assert goal["ratio"] > 0 and [r["op"] for r in goal["race"]] == [
+        "all_reduce", comm_bench.NEIGHBOUR_EXCHANGE.name, "ring (ours)"]
     assert goal["size_bytes"] == SMALL_SIZES[-1] and goal["met"] == (goal["ratio"] >= goal["target"])
+
+
+def test_race_measures_the_raw_link_beside_the_all_reduces(labs):
+    """The send/recv row moves the ring's chunk (S/n) between the same neighbours, in the same
+    rounds; each all-reduce reads as a fraction of it."""
+    from labs.lab04_bandwidth import link_shares
+    race = labs[0]["bandwidth"]["race"]
+    link = next(r for r in race if r["kind"] == "sendrecv")
+    assert link["bytes"] == SMALL_SIZES[-1] // 4 // NPROC * 4 and link["busbw_GBps"] == pytest.approx(link["algbw_GBps"])
+    for r in race:
+        assert r["busbw_q1_GBps"] <= r["busbw_GBps"] <= r["busbw_q3_GBps"], r["op"]
+    shares = link_shares(race)
+    assert shares[0].op == "all_reduce" and shares[0].low <= shares[0].fraction <= shares[0].high
+    assert shares[0].sentence().startswith("all_reduce: bus bandwidth")
+
+
+def test_link_share_and_goal_verdicts_flip():
+    from labs.lab04_bandwidth import link_shares, ring_goal
+    row = lambda op, kind, q1, med, q3: {"op": op, "kind": kind, "busbw_GBps": med,  # noqa: E731
+                                         "busbw_q1_GBps": q1, "busbw_q3_GBps": q3}
+    link = row("send/recv", "sendrecv", 0.9, 1.0, 1.1)
+    slow, near = row("ring (ours)", "all_reduce", 0.3, 0.4, 0.5), row("all_reduce", "all_reduce", 0.85, 0.95, 1.05)
+    said = {s.op: s.sentence() for s in link_shares([near, link, slow])}
+    assert "below the link's rate" in said["ring (ours)"] and "40%" in said["ring (ours)"]
+    assert "at the link's rate within this run's noise" in said["all_reduce"]
+    fast = row("all_reduce", "all_reduce", 1.5, 1.6, 1.7)
+    assert "above the raw send/recv rate" in link_shares([fast, link])[0].sentence()
+    assert ring_goal([near, link, slow], 4, 2)["met"] is False
+    assert ring_goal([slow | {"op": "all_reduce"}, link, near | {"op": "ring (ours)"}], 4, 2)["met"] is True
 
 
 # ------------------------------------------------------------------------------ worker
@@ -353,3 +383,38 @@ def worker() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["labs"]:
     worker()
+
+
+def test_object_verdict_flips():
+    from labs.lab04_collectives import object_verdict
+    obj = lambda t, o: {"tensor_quartiles_s": t, "object_quartiles_s": o,  # noqa: E731
+                        "object_over_tensor": sum(o) / sum(t)}
+    assert object_verdict(obj([1.0, 1.2], [3.0, 3.5])).endswith("the object variant was slower")
+    assert object_verdict(obj([3.0, 3.5], [1.0, 1.2])).endswith("the object variant was faster")
+    assert "within this run's noise" in object_verdict(obj([1.0, 2.0], [1.5, 2.5]))
+
+
+def test_object_demo_reports_its_noise(labs):
+    from labs.lab04_collectives import object_verdict
+    obj = labs[0]["tour"]["objects"]
+    assert obj["tensor_quartiles_s"][0] <= obj["tensor_quartiles_s"][1] and obj["same_values"]
+    assert object_verdict(obj).startswith(f"{obj['object_over_tensor']:.1f}x: ")
+
+
+def test_store_decomposition_and_server_verdicts_flip(labs):
+    from labs.lab04_collectives import decomposition_verdict, store_lines
+    from labs.lab04_traffic import server_verdict
+    stores = {r: labs[r]["tour"]["stores"] for r in range(NPROC)}
+    said = store_lines(stores, NPROC)
+    assert said[0].endswith("no two ranks got the same number") and "every rank agrees" in said[1]
+    broken = {r: dict(s, arrival=1, leader=r, lr_read=str(r)) for r, s in stores.items()}
+    said = store_lines(broken, NPROC)
+    assert said[0].endswith("NOT a permutation of 1..N on this run") and "disagree" in said[1]
+    assert "read [" in said[2]
+    dec = labs[0]["tour"]["decomposition"]
+    assert decomposition_verdict(dec).startswith("integers: both decompositions give exactly")
+    off = {**dec, "int64": {**dec["int64"], "rs_ag_max_diff": 1}}
+    assert decomposition_verdict(off).startswith("integers: NOT exactly equal on this run")
+    server = lambda sent: [{"N": n, "algorithm": "parameter server", "max sent / K": s} for n, s in sent]  # noqa: E731
+    assert server_verdict(server([(2, 1.0), (4, 3.0)])).endswith("= (N-1) K at every N")
+    assert server_verdict(server([(2, 1.0), (4, 2.0)])).endswith("(not (N-1) K on this run)")

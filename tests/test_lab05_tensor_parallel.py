@@ -201,7 +201,18 @@ def test_comm_lab_counts_bytes_as_the_formula_says(ranks):
         s = result["sizes"]
         megatron = [tuple(c["shape"]) for c in mlp["calls"]["megatron"]]
         assert megatron == [(s["batch"], s["seq"], s["d_model"])] * 2
-        assert set(mlp["seconds"]) == {"allgather", "megatron", "dense (one rank)"}
+        assert set(mlp["seconds"]) == set(mlp["quartiles"]) == {"allgather", "megatron", "dense (one rank)"}
+        for scheme, (q1, q3) in mlp["quartiles"].items():
+            assert q1 <= mlp["seconds"][scheme] <= q3, scheme
+
+
+def test_split_verdict_calls_small_differences_noise():
+    from labs.lab05_tp_comm_volume import split_verdict
+    quartiles = {"megatron": [0.009, 0.011], "dense (one rank)": [0.019, 0.021]}
+    said = lambda t: split_verdict("megatron", {"megatron": t, "dense (one rank)": 0.02}, quartiles, 2)  # noqa: E731
+    assert said(0.02).endswith("ms of communication and overhead")          # 10 ms over the split
+    assert "faster than a perfect split" in said(0.005)
+    assert "within this run's noise" in said(0.0105)
 
 
 def test_dtensor_parallelize_module_agrees_with_ours(ranks):
@@ -279,3 +290,30 @@ if __name__ == "__main__":
 
     with distributed() as ctx:
         ctx.report(**worker(ctx))
+
+
+def test_agreement_and_balance_verdicts_flip():
+    from labs.lab05_tp_comm_volume import balance_sentence
+    from labs.lab05_tp_dtensor import agreement_verdict
+    dt = {"placements": {"w": ["Shard(dim=0)"]}, "local_shapes": {"w": [4, 8]}, "our_shapes": {"w": [4, 8]},
+          "training": {}, "worst": 1e-6}
+    assert agreement_verdict(dt).startswith("shards, outputs, gradients and parameters: the same as ours")
+    assert agreement_verdict(dict(dt, training={"unsolved": "x"})).startswith("shards, outputs: the same")
+    assert "NOT the same as ours on this run (shapes equal: False" in agreement_verdict(dict(dt, our_shapes={"w": [8, 4]}))
+    assert "largest difference 1.0e-02" in agreement_verdict(dict(dt, worst=1e-2))
+    assert "x10.0 fewer bytes per FLOP" in balance_sentence(1e-2, 1e-3, "an H100") and "outpaces its link more" in \
+        balance_sentence(1e-2, 1e-3, "an H100")
+    assert "x10.0 more bytes per FLOP" in balance_sentence(1e-3, 1e-2, "an H100")
+
+
+def test_formula_verdict_flips():
+    from labs.lab05_tp_comm_volume import formula_verdict
+    assert formula_verdict(1024.0, 1024.0) == ": equal"
+    assert formula_verdict(1024.0, 2048.0) == ": they DIFFER on this run"
+
+
+def test_rows_verdict_flips():
+    from labs.lab05_tp_comm_volume import rows_verdict
+    row = lambda counted, formula: {"sent/rank MB (counted)": counted, "sent/rank MB (formula)": formula}  # noqa: E731
+    assert rows_verdict([row(1.0, 1.0), row(2.0, 2.0)]) == "counted bytes equal the formulas in every row"
+    assert rows_verdict([row(1.0, 1.0), row(2.5, 2.0)]).startswith("counted bytes differ from the formulas by up to 0.5")

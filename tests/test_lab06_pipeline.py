@@ -265,3 +265,9 @@ def test_lab_activations_held_gpipe_vs_1f1b(lab_run):
             assert one_f["peak_held"] == min(2 - rank, m)
             per_microbatch = gpipe["peak_held_bytes"] / m
             assert one_f["peak_held_bytes"] == pytest.approx(per_microbatch * one_f["peak_held"])
+
+
+def test_activation_verdict_flips():
+    assert "2.0x less with 1F1B" in sched.activation_verdict(0, 200.0, 100.0)
+    assert "about the same" in sched.activation_verdict(1, 100.0, 101.0)
+    assert "MORE with 1F1B" in sched.activation_verdict(0, 100.0, 150.0)

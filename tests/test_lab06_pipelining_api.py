@@ -69,3 +69,20 @@ def test_pipelined_parameters_equal_single_process(lab_run):
         assert covered == names, key   # the stages together hold the whole model, once
         assert not set(lab_run[0]["runs"][key]["param_names"]) & set(
             lab_run[1]["runs"][key]["param_names"])
+
+
+def test_comparison_rows_and_tolerance_verdict_flip(lab_run):
+    rows = lab.comparison_rows(lab_run)
+    assert rows[-1]["run"] == "single process" and len(rows) == len(lab_run[1]["runs"]) + 1
+    assert lab.within_tolerances(rows)
+    off = [dict(r, **{"max abs param diff": 10 * lab.PARAM_ATOL}) if "max rel. loss diff" in r else r for r in rows]
+    assert not lab.within_tolerances(off)
+
+
+def test_tracer_lines_say_each_case():
+    runs = lambda *notes: {"GPipe/tracer": {"notes": list(notes)}}  # noqa: E731
+    assert lab.tracer_lines(runs(), True) == ["pipeline() itself is not deprecated on this torch"]
+    said = lab.tracer_lines(runs("pipeline is deprecated"), True)
+    assert said[0].startswith("tracing with pipeline() warned") and "is deprecated on this torch" in said[-1]
+    assert "internals" in lab.tracer_lines(runs("a torch.fx warning"), True)[-1]
+    assert "has no pipeline()" in lab.tracer_lines(runs(), False)[-1]

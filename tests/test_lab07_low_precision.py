@@ -409,3 +409,39 @@ def _worker(case: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+# ------------------------------------------------------------------------------ the notebook's verdicts
+def test_precision_lines_flip():
+    final = {"fp32": 1.0, "bf16": 1.002, "fp16": 1.2, "fp16 + loss scaling": 1.001}
+    zeros = {"fp32": 0.0, "bf16": 0.0, "fp16": 0.2, "fp16 + loss scaling": 0.001}
+    behind = lp.precision_lines(final, zeros, 100, smoke=False)
+    assert behind[3].startswith("fp16 without loss scaling fell behind") and "lost gradient entries" in behind[-1]
+    level = lp.precision_lines(dict(final, fp16=1.004), dict(zeros, fp16=0.0), 100, smoke=True)
+    assert level[3].startswith("Not on this run (100 steps)") and level[3].endswith("the full-size run trains longer.")
+    assert level[-1].startswith("Not on this run: the zero-gradient shares")
+
+
+def test_clip_verdict_flips():
+    clip = lambda seen, scale: {"clip scaled gradients": {"norms": [seen], "scale": scale},  # noqa: E731
+                                "unscale_ then clip": {"norms": [1.0]}}
+    assert "equal, so clipping the scaled gradients" in amp.clip_verdict(clip(65536.0, 65536.0))
+    assert amp.clip_verdict(clip(3.0, 65536.0)).endswith("NOT equal on this run")
+
+
+def test_checkpointing_lines_flip():
+    rows = lambda sqrt_peak: [{"depth": d, "mode": m, "peak backward": p} for d, m, p in [  # noqa: E731
+        (4, "none", 40), (16, "none", 160), (4, "sqrt(L) segments", 30), (16, "sqrt(L) segments", sqrt_peak)]]
+    assert mem.checkpointing_lines(rows(60), smoke=False)[-1] == "at 16 blocks the smallest peak is sqrt(L) segments's"
+    assert "not on this run" in mem.checkpointing_lines(rows(200), smoke=False)[-1]
+    assert "full-size run" in mem.checkpointing_lines(rows(200), smoke=True)[-1]
+
+
+def test_wire_lines_flip():
+    run = lambda auto, comm, exact: {"autocast_errors": [auto], "comm_errors": [comm], "bf16_exact_fraction": exact,  # noqa: E731
+                                     "bytes_per_all_reduce": 2, "losses": [1.0]}
+    dp = {"fp32": run(0, 0, 0), "fp32 wire": run(0, 0, 0), "bf16 wire": run(1e-2, 1e-3, 0.995)}
+    lines = lp.wire_lines(dp)
+    assert "10.0x smaller" in lines[1] and "comes from rounding the sum" in lines[2]
+    lines = lp.wire_lines(dict(dp, **{"bf16 wire": run(1e-3, 1e-2, 0.5)}))
+    assert "10.0x larger" in lines[1] and "both from that cast" in lines[2]

@@ -190,3 +190,19 @@ def worker() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["run"]:
     worker()
+
+
+def test_notebook_verdicts_flip():
+    assert zero.one_unit_verdict("peak", 100, [100, 50, 50]).endswith("one unit at a time")
+    assert "not one unit at a time on this run" in zero.one_unit_verdict("peak", 150, [100, 50, 50])
+    assert zero.parity_verdict(3e-8).endswith("float32 sums in another order)")
+    assert "look at the stage that differs" in zero.parity_verdict(1e-3)
+
+
+def test_optimizer_and_stretch_verdicts_flip():
+    assert zero.shards_verdict([50, 51], 100).endswith("each element's state held once")
+    assert zero.shards_verdict([100, 100], 100).endswith("not each element's state exactly once on this run")
+    assert zero.less_sent_verdict(512.0, 1024.0).endswith("(0.50x)")
+    assert zero.less_sent_verdict(2048.0, 1024.0).endswith(": not less on this run")
+    assert zero.peak_verdict(100, 400).endswith("not the peak")
+    assert zero.peak_verdict(400, 400).endswith("the hooks did not lower the peak on this run")

@@ -232,6 +232,16 @@ def test_flight_recorder_shows_the_extra_collective(runs):
 def test_detail_costs_something(runs):
     overhead = get(runs, "hung").result.results[0]["detail_overhead"]
     assert overhead["plain"] > 0 and overhead["DETAIL"] > 0
+    assert len(overhead["rounds"]["plain"]) == len(overhead["rounds"]["DETAIL"]) >= 3
+    assert overhead["DETAIL"] in overhead["rounds"]["DETAIL"]
+
+
+def test_detail_verdict_needs_every_round_slower():
+    cost = lambda plain, detail: {"plain": sorted(plain)[1], "DETAIL": sorted(detail)[1],  # noqa: E731
+                                  "rounds": {"plain": plain, "DETAIL": detail}}
+    assert "slower in every round" in lab10_hangs.detail_verdict(cost([1e-4, 1.1e-4, 1.2e-4], [2e-4, 2.5e-4, 3e-4]))
+    said = lab10_hangs.detail_verdict(cost([1e-4, 1.1e-4, 3e-4], [2e-4, 2.5e-4, 2.6e-4]))
+    assert "no clear cost on this run" in said and "(2.3x)" in said
 
 
 def test_divergence_symptoms(runs):
@@ -244,7 +254,10 @@ def test_divergence_symptoms(runs):
     assert first["random state"] == {"step": out["reinit_step"] + 1, "names": ["backbone.weight"]}
     assert first["buffer not synchronised"] == {"step": 1, "names": ["norm.running_mean", "norm.running_var"]}
     nondet = v["non-deterministic reduction"]
+    assert v["healthy"]["norms_differ_at"] == [], "the healthy ranks sum their norms in one order"
+    assert nondet["norms_differ_at"], "the rank-dependent order gave equal norms at every step"
     assert nondet["first"] is not None and 0 < nondet["max_diff"][-1] < 1e-5
+    assert nondet["first"]["step"] > nondet["norms_differ_at"][0], "a drift before its cause"
     for name, rec in v.items():
         check = rec["check"]
         if "unsolved" in check:
@@ -303,3 +316,83 @@ def test_drill_signatures_tell_the_crashes_apart():
     assert sig["killed mid-step"](drill("killed mid-step", 0, "RuntimeError: Connection closed",
                                         "exitcode  : -9 (pid: 5)  (SIGKILL)"))
     assert not sig["killed mid-step"](drill("killed mid-step", 1, "", "exitcode  : 1"))
+
+
+# ------------------------------------------------------------------------------ divergence verdicts
+def _record(curve, names=("backbone.weight",), causes=()):
+    first = next(({"step": i, "names": list(names)} for i, d in enumerate(curve) if d > 0), None)
+    return {"max_diff": list(curve), "first": first, "norms_differ_at": list(causes)}
+
+
+def test_divergence_trend_flips():
+    from labs.lab10_divergence import symptom, trend
+    assert trend(1e-8, 1e-6) == "grew" and trend(1e-6, 1e-8) == "shrank"
+    assert trend(1e-8, 1.05e-8) == "stayed within 10%"
+    s = symptom("forgotten broadcast", _record([0.5, 0.5, 2.0]))
+    assert (s.first_step, s.trend) == (0, "grew") and "first differs after 0 steps" in s.sentence
+    s = symptom("healthy", _record([0.0, 0.0, 0.0]))
+    assert s.first_step is None and "bitwise equal at every check" in s.sentence
+
+
+def test_nondeterministic_verdict_says_when_nothing_drifted():
+    """The variant's drift depends on float rounding: the sentence says which case this run was."""
+    from labs.lab10_divergence import symptom
+    name = "non-deterministic reduction"
+    drifted = symptom(name, _record([0.0, 1.5e-8, 1.5e-8], causes=(0, 1)))
+    assert drifted.first_step == 1 and "differed in the last bits at 2 of 2 steps" in drifted.sentence
+    equal = symptom(name, _record([0.0, 0.0, 0.0]))
+    assert equal.first_step is None and "bitwise-equal clipping norms at every step" in equal.sentence
+    absorbed = symptom(name, _record([0.0, 0.0, 0.0], causes=(1,)))
+    assert absorbed.first_step is None and "rounded away in the update" in absorbed.sentence
+    assert "re-initialisation ran during step 3" in symptom("random state", _record([0, 0, 0, 0, 1.0]), 3).sentence
+
+
+def test_healthy_verdict_flips():
+    from labs.lab10_divergence import healthy_stays_equal
+    assert healthy_stays_equal({"variants": {"healthy": _record([0.0, 0.0])}})
+    assert not healthy_stays_equal({"variants": {"healthy": _record([0.0, 1e-9])}})
+
+
+def test_rank_ordered_norm_differs_in_the_last_bits_only():
+    """The planted non-determinism: the same gradients, two orders, sums that differ (almost
+    always) but only in the last bits; one order, the same sum."""
+    from labs.lab10_divergence import total_norm_in_rank_order
+    gen = torch.Generator().manual_seed(0)
+    differ = 0
+    for _ in range(20):
+        grads = [torch.randn(32, 16, generator=gen), torch.randn(32, generator=gen), torch.randn(4, 32, generator=gen)]
+        a, b = total_norm_in_rank_order(grads, 0), total_norm_in_rank_order(grads, 1)
+        assert a == total_norm_in_rank_order(grads, 0)
+        assert torch.isclose(a, b, rtol=1e-6, atol=0), (a, b)
+        differ += bool(a != b)
+    assert differ >= 10, f"two orders gave the same float32 norm in {20 - differ} of 20 draws"
+
+
+def test_data_verdicts_flip():
+    from labs import lab10_data as data_lab
+    twice = lambda healthy, summed: {"DDP alone (healthy)": {"loss after the epoch": healthy},  # noqa: E731
+                                     "DDP + all_reduce(grad)": {"loss after the epoch": summed}}
+    assert data_lab.summed_verdict(twice(1.0, 0.5), 2).endswith("they trained better on this run")
+    assert data_lab.summed_verdict(twice(1.0, 2.0), 2).endswith("they trained worse on this run")
+    lines = data_lab.learning_rate_lines(one=0.1, same_lr=0.5, scaled=0.15, world_size=4)
+    assert lines[0].endswith("it learned less in the epoch") and "(the linear scaling rule at work)" in lines[1]
+    assert "(not most of it on this run)" in data_lab.learning_rate_lines(0.1, 0.5, 0.45, 4)[1]
+    assert data_lab.learning_rate_lines(0.5, 0.1, 0.1, 4) == [
+        "4 ranks at the same learning rate: 0.1 vs 0.5 for one process with batch B: not less on this run"]
+    assert data_lab.all_gather_verdict(0.3, 1.0).endswith("and nothing raised")
+    assert data_lab.all_gather_verdict(1e-8, 1.0).startswith("not on this run")
+
+
+def test_hang_verdicts_flip():
+    assert lab10_hangs.blame_verdict(0, 0) == "that is the rank with the extra all-reduce"
+    assert lab10_hangs.blame_verdict(1, 0).startswith("rank 1 did nothing wrong")
+    here, there = ("all_reduce", "log_final_loss"), ("barrier", "finish_training")
+    assert lab10_hangs.waits_verdict({0: here, 1: there}).startswith("the ranks wait in different collectives")
+    assert lab10_hangs.waits_verdict({0: here, 1: here}).startswith("not on this run")
+    assert lab10_hangs.waits_verdict({0: here, 1: None}) is None
+
+
+def test_blame_line_flips():
+    assert lab10_crashes.blame_line(1, 0).endswith("rank 0: the survivor, whose error is a consequence")
+    assert lab10_crashes.blame_line(1, 1) == "rank 1 was killed; the launcher blames rank 1"
+    assert lab10_crashes.blame_line(1, None).endswith("blames no rank")
