@@ -7,6 +7,7 @@
 - notice: an unsolved exercise's notice instead of a failure (notebooks, labs, tests);
 - bench, comm_bench: timing done right; collectives' bandwidth and each call's fixed cost;
 - comm_count: what a process sends (point-to-point, collectives, or counted by the caller);
+- slow_link: a slow link imposed on a process's collectives (notebook 14's distant replicas);
 - accounting, tensors: the bytes a process holds; even splits, seeded construction;
 - show: tables, figures and explorers, in a notebook and on a terminal;
 - flight_recorder, mystery_jobs: notebook 10's instruments (torch's flight recorder; the jobs of
