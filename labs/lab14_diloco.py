@@ -27,6 +27,7 @@ from torch import nn
 
 from helpers import pick
 from helpers.dist import DistContext, distributed
+from labs.lab14_replicas import in_one_launch   # before torchft: it quiets torchft's servers
 
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}   # Douillard et al.'s outer SGD
 INNER_LR = 1e-2
@@ -145,7 +146,6 @@ def compare_with_torchft(ctx: DistContext, sync_every: int = 3, rounds: int = 3,
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
     from helpers.comm_count import count_collectives
-    from labs.lab14_replicas import in_one_launch
 
     ref, mine = toy_model(width), toy_model(width)
     ref_inner = torch.optim.AdamW(ref.parameters(), lr=INNER_LR)

@@ -37,18 +37,18 @@ LAB_NPROC = 1
 # ============================================================================= the two runs
 def restart_run(replicas: int, group: int, steps: int, ckpt_every: int, kill_at: int, folder: Path,
                 timeout: float) -> dict:
-    """labs/lab14_restart.py with rank 1 killed before `kill_at`; what each rank reported."""
+    """labs/lab14_restart.py with rank 1 killed before `kill_at`; what each rank reported (by rank)."""
     from helpers.launch import launch
 
     res = launch("labs/lab14_restart.py", "--steps", steps, "--ckpt-every", ckpt_every, "--kills", kill_at,
                  "--ckpt-dir", folder, nproc=replicas * group, torchrun_args=["--max-restarts=1"],
                  timeout=timeout, env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[restart run, rank${rank}]:"})
-    return {"ranks": res.results, "seconds": res.seconds}
+    return {"ranks": [res.results[r] for r in sorted(res.results)], "seconds": res.seconds}
 
 
 def ft_run(replicas: int, group: int, steps: int, kill_at: int, timeout: float) -> dict:
     """`replicas` torchrun launches of labs/lab14_replicas.py at once, around a lighthouse here;
-    group 1's rank 0 dies in step `kill_at`. What every rank of every group reported."""
+    group 1's rank 0 dies in step `kill_at`. What every rank of every group reported (by group, by rank)."""
     from helpers.launch import launch
     from labs.lab14_replicas import start_lighthouse
 
@@ -68,7 +68,9 @@ def ft_run(replicas: int, group: int, steps: int, kill_at: int, timeout: float) 
             launches = list(pool.map(group_launch, range(replicas)))
     finally:
         lighthouse.shutdown()
-    return {"groups": [res.results for res in launches], "seconds": [res.seconds for res in launches]}
+    # lists, not {rank: report}: the reports travel as JSON, whose keys are strings
+    return {"groups": [[res.results[r] for r in sorted(res.results)] for res in launches],
+            "seconds": [res.seconds for res in launches]}
 
 
 # ============================================================================== accounting
@@ -115,7 +117,7 @@ def _final_losses(attempts: list[dict]) -> list[float]:
     return [losses[s] for s in sorted(losses)]
 
 
-def account_ft(groups: list[dict[int, dict]]) -> dict:
+def account_ft(groups: list[list[dict]]) -> dict:
     """Every group's rank 0 -> per group: seconds of committed steps (kept), of discarded steps,
     down (from the last step before dying to the first step after healing); in all: the wall-clock
     time, the step time, and the losses of the run (the surviving group's view)."""

@@ -24,8 +24,8 @@ The pieces (torchft 0.2.0, https://github.com/pytorch/torchft):
 A group trains on its rows of each step's global batch (`rank_batch`, shared with the restart run
 of labs/lab14_restart.py); the step is torchft's committed step count, so a healed group continues
 with the data of the step it healed to. The run ends when `steps` steps are done *and* every group
-is back in the quorum: the others train on while a group is down (a long job's case), and a
-group that stays away longer than `patience_s` fails the run.
+is back in the quorum: the others train on while a group is down, up to `steps`, then wait for
+it (without training), and a group that stays away longer than `patience_s` fails the run.
 `in_one_launch` makes every rank of an ordinary launch its own replica group (lighthouse on rank 0):
 labs/lab14_lowcomm.py and lab14_diloco.py use it for torchft's DiLoCo.
 """
@@ -159,8 +159,8 @@ def wait_for_every_group(manager, replicas: int, patience_s: float = 120.0) -> N
 def replica_run(ctx: DistContext, replica: int, replicas: int, lighthouse: str, steps: int,
                 kill_at: int = -1, patience_s: float = 600.0) -> dict:
     """Train as replica group `replica` of `replicas` until `steps` committed steps are done and
-    every group is in the quorum (while a group is down the others train on, for at most
-    `patience_s` seconds). On its first attempt, group `replica` kills its rank 0 in the middle of
+    every group is in the quorum (while a group is down the others train on up to `steps`, then
+    wait for it, for at most `patience_s` seconds). On its first attempt, group `replica` kills its rank 0 in the middle of
     step `kill_at` (after the backward, before the cross-group all-reduce)."""
     from helpers.dist import device_mesh
 
@@ -207,6 +207,12 @@ def replica_run(ctx: DistContext, replica: int, replicas: int, lighthouse: str, 
             if missing_since is not None and time.monotonic() - missing_since > patience_s:
                 raise RuntimeError(f"replica {replica}: {participants} of {replicas} groups for "
                                    f"{patience_s:.0f} s: the failed group never rejoined")
+            if step >= steps and participants < replicas:
+                # this short run's end: wait, without training, for the failed group to rejoin
+                # (a long job would train on; here the steps stay `steps` + 1 for the reference)
+                counts["quorums while waiting at the end"] += 1
+                time.sleep(0.05)
+                continue
             x, y = rank_batch(data, step, config, replica * ctx.world_size + ctx.rank,
                               replicas * ctx.world_size)
             with count_collectives() as log:
@@ -214,7 +220,7 @@ def replica_run(ctx: DistContext, replica: int, replicas: int, lighthouse: str, 
                 loss.backward()
                 if attempt == 0 and step == kill_at and ctx.rank == 0:
                     ctx.report(**{f"attempt{attempt}": events})
-                    kill_myself(ctx, step)
+                    kill_myself(ctx, step, when="in the middle of")
                 # one flat buffer (DDP's bucket): every gradient shard and the loss, averaged
                 # over the groups in the quorum in one all-reduce
                 grads = [local(p.grad) for p in model.parameters()]

@@ -90,10 +90,10 @@ def on_the_cpu() -> None:
     os.environ["COURSE_DEVICE"] = "cpu"
 
 
-def kill_myself(ctx: DistContext, step: int) -> None:
+def kill_myself(ctx: DistContext, step: int, when: str = "before") -> None:
     """SIGKILL this process: no cleanup, no goodbye, like a machine that lost power."""
     ctx.report(killed={"step": step, "time": time.time()})
-    print(f"rank {ctx.rank}: SIGKILL to myself before step {step} (pid {os.getpid()})", flush=True)
+    print(f"rank {ctx.rank}: SIGKILL to myself {when} step {step} (pid {os.getpid()})", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -94,8 +94,8 @@ def ft_events():
         [row(s, 1.0 + s, groups=1) for s in range(2, 9)] + [row(9, 10.0), row(10, 11.0)]
     g1a = [row(0, 0.0), row(1, 1.0)]
     g1b = [row(9, 10.0), row(10, 11.0)]
-    return [{0: {"attempt0": {"steps": g0, "heals": []}}},
-            {0: {"attempt0": {"steps": g1a, "heals": []}, "attempt1": {"steps": g1b, "heals": [[10.0, 10.1, 9]]}}}]
+    return [[{"attempt0": {"steps": g0, "heals": []}}],
+            [{"attempt0": {"steps": g1a, "heals": []}, "attempt1": {"steps": g1b, "heals": [[10.0, 10.1, 9]]}}]]
 
 
 def test_account_ft():

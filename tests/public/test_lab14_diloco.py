@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs.lab14_diloco import (OUTER, DiLoCo, INNER_LR, flat_state, toy_batch, toy_model)
+from labs.lab14_diloco import OUTER, DiLoCo, INNER_LR, flat_state, toy_batch, toy_model
+from labs.lab14_replicas import in_one_launch   # (imported before torchft: it quiets its servers)
 from tests.harness import launch_ranks
 
 pytestmark = pytest.mark.exercise("DiLoCo.outer_step")
@@ -134,7 +135,6 @@ def side_by_side(ctx, sync_every: int, rounds: int, outer: dict, width: int = 16
 
     from helpers.comm_count import count_collectives
     from helpers.notice import unsolved_message
-    from labs.lab14_replicas import in_one_launch
 
     def trio():
         model = toy_model(width, seed)
