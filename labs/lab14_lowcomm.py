@@ -275,7 +275,7 @@ def run(ctx: DistContext, steps: int | None = None, sync_every: int | None = Non
         fragment_count: int = 2, delay: int | None = None, methods=METHODS) -> dict:
     """Every method over loopback, then over the slowed link; rank 0's view (the replicas agree
     after each method's last sync: checked, `spread`)."""
-    steps = steps or pick(96, 16)
+    steps = steps or pick(96, 8)
     sync_every = sync_every or pick(8, 4)
     delay = pick(2, 1) if delay is None else delay
     config = task_config()
