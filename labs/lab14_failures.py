@@ -147,13 +147,13 @@ def account_ft(groups: list[list[dict]]) -> dict:
 
 def timeline(out: dict) -> dict[str, dict[str, list[tuple[float, float]]]]:
     """What each row of the timeline figure shows: for the restart run's rank 0 and each torchft
-    group's rank 0, spans (start, end) in seconds from the first step, by kind: kept and recomputed
-    steps, checkpoints and the restart for the first; committed and discarded steps, down time
-    and healing for the others."""
+    group's rank 0, spans (start, end) in seconds from its run's first step (the runs came one
+    after the other), by kind: kept and recomputed steps, checkpoints and the restart for the first;
+    committed and discarded steps, down time and healing for the others."""
     rank0 = out["restart"]["ranks"][0]
     attempts = [rank0[f"attempt{a}"] for a in range(10) if f"attempt{a}" in rank0]
     groups = [[g[0][f"attempt{a}"] for a in range(10) if f"attempt{a}" in g[0]] for g in out["ft"]["groups"]]
-    t0 = min(attempts[0]["steps"][0][1], *(g[0]["steps"][0][1] for g in groups))
+    t0 = attempts[0]["steps"][0][1]
     last = {}
     for events in attempts:
         for step, a, b, _ in events["steps"]:
@@ -167,6 +167,7 @@ def timeline(out: dict) -> dict[str, dict[str, list[tuple[float, float]]]]:
         if i + 1 < len(attempts):
             end = max([b for _, _, b, _ in events["steps"]] + [c[2] for c in events["checkpoints"]])
             row["restart"].append((end - t0, attempts[i + 1]["steps"][0][1] - t0))
+    t0 = min(group[0]["steps"][0][1] for group in groups)
     for g, group in enumerate(groups):
         row = rows[f"torchft group {g}"] = {"committed step": [], "discarded step": [], "down": [], "heal": []}
         for i, events in enumerate(group):
