@@ -34,15 +34,25 @@ def start() -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def replicas_of(parent: subprocess.Popen) -> list[psutil.Process]:
+def replica_ranks(parent: subprocess.Popen) -> list[psutil.Process]:
+    """The replica groups' ranks (not their torchrun agents or the guards above those)."""
     found = []
     for proc in psutil.Process(parent.pid).children(recursive=True):
         try:
-            if any("lab14_replicas.py" in part for part in proc.cmdline()):
-                found.append(proc)
+            line = " ".join(proc.cmdline())
         except psutil.Error:
             continue
+        if "lab14_replicas.py" in line and "torch.distributed.run" not in line and "helpers.launch" not in line:
+            found.append(proc)
     return found
+
+
+def serving(proc: psutil.Process) -> bool:
+    """Whether a rank listens on a port: its torchft Manager's server is up."""
+    try:
+        return any(c.status == psutil.CONN_LISTEN for c in proc.net_connections("tcp"))
+    except psutil.Error:
+        return False
 
 
 def lighthouse_ports(parent: subprocess.Popen) -> set[int]:
@@ -58,12 +68,13 @@ def lighthouse_ports(parent: subprocess.Popen) -> set[int]:
 
 
 def running(parent: subprocess.Popen, deadline_s: float = 240.0) -> tuple[list[psutil.Process], set[int]]:
-    """Wait until both replica groups' ranks train (4 processes: 2 torchruns, 2 ranks), then
-    return the whole tree and the listening ports."""
+    """Wait until both replica groups' ranks run (one rank each), then return the whole tree and
+    the listening ports."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline and parent.poll() is None:
-        if len(replicas_of(parent)) >= 4:
-            time.sleep(3.0)       # managers up, quorum formed, training
+        ranks = replica_ranks(parent)
+        if len(ranks) >= 2 and all(serving(rank) for rank in ranks):
+            time.sleep(1.0)       # the managers are up (each serves): quorum, then training
             tree = psutil.Process(parent.pid).children(recursive=True)
             return tree, lighthouse_ports(parent)
         time.sleep(0.3)

@@ -269,17 +269,22 @@ def check_anchor(reports: list[dict], name: str) -> None:
                 f"differs from torchft's global parameters by {o['anchor']:.3g}; {diagnosis(reports)}")
 
 
+def _by(difference: float) -> str:
+    return "is missing (no state, or not shaped like torchft's)" if difference == float("inf") else \
+        f"differs from torchft's by {difference:.3g}"
+
+
 def check_states(reports: list[dict], name: str) -> None:
     for rank, r in enumerate(reports):
         for o in r["outer"]:
             assert o["outer state"] <= ATOL, (
                 f"{name}, replica {rank}: after the outer step at inner step {o['step']} the outer "
-                f"optimizer's momentum differs from torchft's by {o['outer state']:.3g}: step the outer "
-                f"optimizer you were given, once per round, and keep its state; {diagnosis(reports)}")
+                f"optimizer's momentum {_by(o['outer state'])}: step the outer optimizer you were "
+                f"given, once per round, and keep its state; {diagnosis(reports)}")
             assert o["inner state"] <= ATOL, (
                 f"{name}, replica {rank}: after the outer step at inner step {o['step']} the inner "
-                f"optimizer's state differs from torchft's by {o['inner state']:.3g}: the outer step "
-                f"leaves AdamW's moments and step count as they are; {diagnosis(reports)}")
+                f"optimizer's state {_by(o['inner state'])}: the outer step leaves AdamW's moments "
+                f"and step count as they are; {diagnosis(reports)}")
 
 
 def check_traffic(reports: list[dict], name: str) -> None:
