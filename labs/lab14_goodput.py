@@ -168,6 +168,15 @@ def compare_cost(restart_s: float, ft_s: float, noise: float) -> str:
             f"{ft_s:.1f} s of the whole job (noise {noise:.0%})")
 
 
+def goodput_from_costs(costs: dict[str, float], mtbf: float, overhead: dict[str, float] | None = None) -> dict[str, float]:
+    """What measured per-failure costs (seconds of the whole job lost to one failure) mean for a long
+    job with a failure every `mtbf` seconds: goodput = 1 - overhead - cost / mtbf, where `overhead`
+    is a method's share of time spent on failures' insurance (the restart's checkpoints)."""
+    _check("mtbf", mtbf)
+    overhead = overhead or {}
+    return {name: max(0.0, 1 - overhead.get(name, 0.0) - cost / mtbf) for name, cost in costs.items()}
+
+
 def model_matches(measured: float, predicted: float, tolerance: float) -> bool:
     """Whether a measured goodput is within `tolerance` (absolute) of the model's prediction."""
     return abs(measured - predicted) <= tolerance

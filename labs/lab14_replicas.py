@@ -230,10 +230,12 @@ def replica_run(ctx: DistContext, replica: int, replicas: int, lighthouse: str, 
                 for g in grads:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
-                mean = flat[-1]        # the loss, averaged over the groups in the quorum
+                mean = flat[-1:].clone()    # this rank's loss, averaged over the groups
                 t_sync = time.time()
                 committed = manager.should_commit()
                 t_commit = time.time()
+            if ctx.world_size > 1:     # for the record: over the group's ranks too (not counted)
+                dist.all_reduce(mean, op=dist.ReduceOp.AVG)
             for c in log:
                 traffic[f"{c.kind} calls"] += 1
                 traffic[f"{c.kind} bytes"] += c.nbytes

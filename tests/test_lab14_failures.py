@@ -16,22 +16,23 @@ Run:  .venv/bin/python -m pytest tests/test_lab14_failures.py -q
 from __future__ import annotations
 
 import pytest
+import torch
 
 from labs import lab14_failures as failures_lab
-from labs.lab12_model import parameter_count
 from labs.lab14_restart import task_config
 from tests.harness import launch_ranks
 
 STEPS, CKPT_EVERY, KILL_AT = 8, 3, 4
+GROUP = 2      # ranks per replica group: FSDP inside a group, torchft across (HSDP), as at full size
 LOSS_RTOL = 1e-4
-# The launch starts fresh processes five times (two ranks and their restart, two replica groups
-# and one restart): about a minute on a quiet 2-core machine, several on a busy one.
+# The launch starts fresh processes five times (four ranks and their restart, two replica groups
+# of two and one restart): a minute or two on a quiet 2-core machine, several on a busy one.
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
 def out():
-    ranks = launch_ranks("labs/lab14_failures.py", "--replicas", 2, "--group", 1, "--steps", STEPS,
+    ranks = launch_ranks("labs/lab14_failures.py", "--replicas", 2, "--group", GROUP, "--steps", STEPS,
                          "--ckpt-every", CKPT_EVERY, "--kill-at", KILL_AT, nproc=1, timeout=840,
                          env={"DIST_TIMEOUT": "30"})
     return ranks[0]["failures"]
@@ -92,7 +93,12 @@ def test_torchft_losses_before_the_failure_are_one_process(out):
 
 def test_manager_counts_agree_with_the_steps(out):
     """Each step: one quorum, one commit vote, one all-reduce of every gradient and the loss."""
-    flat_bytes = 4 * (parameter_count(task_config()) + 1)
+    # rank 0's FSDP shard of every parameter (dim 0 chunked over the group's ranks), and the loss
+    from labs.lab14_restart import make_model
+
+    shard = sum(torch.chunk(torch.empty(p.shape[0]), GROUP)[0].numel() * p[0].numel()
+                for p in make_model(task_config())[0].parameters())
+    flat_bytes = 4 * (shard + 1)
     for g, group in enumerate(out["ft"]["groups"]):
         report = group[0]
         rows = [r for events in attempts(report) for r in events["steps"]]

@@ -120,6 +120,12 @@ def test_per_failure_cost_and_its_verdict_flip():
     assert gp.compare_cost(10.0, 9.0, noise=0.2).startswith("within the noise")
 
 
+def test_goodput_from_costs():
+    out = gp.goodput_from_costs({"restart": 20.0, "torchft": 5.0}, mtbf=100.0, overhead={"restart": 0.1})
+    assert out == {"restart": pytest.approx(0.7), "torchft": pytest.approx(0.95)}
+    assert gp.goodput_from_costs({"x": 500.0}, mtbf=100.0)["x"] == 0.0
+
+
 def test_account_splits_the_wall_time():
     out = gp.account({"wall": 10.0, "kept": 6.0, "recomputed": 1.0, "checkpoints": 0.5, "restarts": 2.0})
     assert out["goodput"] == pytest.approx(0.6) and out["seconds"]["other"] == pytest.approx(0.5)
