@@ -30,7 +30,26 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from helpers.comm_count import COLLECTIVE_METHODS, Collective, patched, tensor_bytes
+from helpers.comm_count import Collective, patched, tensor_bytes
+
+# ProcessGroup method -> (kind, argument holding the size, argument holding this rank's input):
+# the calls a slowed link delays, with their bytes sent as helpers.comm_count counts them.
+COLLECTIVE_METHODS: dict[str, tuple[str, int | None, int | None]] = {
+    "allreduce": ("all_reduce", 0, 0), "allreduce_coalesced": ("all_reduce", 0, 0),
+    "broadcast": ("broadcast", 0, 0), "reduce": ("reduce", 0, 0),
+    "allgather": ("all_gather", 0, 1), "_allgather_base": ("all_gather", 0, 1),
+    "all_gather_single": ("all_gather", 0, 1), "allgather_coalesced": ("all_gather", 0, 1),
+    "all_gather_single_coalesced": ("all_gather", 0, 1),
+    "allgather_into_tensor_coalesced": ("all_gather", 0, 1),
+    "reduce_scatter": ("reduce_scatter", 1, 1), "_reduce_scatter_base": ("reduce_scatter", 1, 1),
+    "reduce_scatter_single": ("reduce_scatter", 1, 1),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", 1, 1),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1, 1),
+    "gather": ("gather", 1, 1), "scatter": ("scatter", 1, 1),
+    "alltoall": ("all_to_all", 1, 1), "alltoall_base": ("all_to_all", 1, 1),
+    "all_to_all_single": ("all_to_all", 1, 1),
+    "barrier": ("barrier", None, None), "monitored_barrier": ("barrier", None, None),
+}
 
 
 @dataclass

@@ -20,12 +20,13 @@ far apart they are after every step.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from labs.lab14_replicas import in_one_launch   # before torchft: it quiets torchft's servers
 
@@ -214,19 +215,29 @@ def matches_torchft(diffs: list[float], atol: float = 1e-5) -> str:
             "run ./run.sh check 14 for what differs")
 
 
-def run(ctx: DistContext) -> dict:
-    """The side-by-side run the notebook shows (smoke mode: fewer rounds)."""
-    return compare_with_torchft(ctx, sync_every=pick(4, 3), rounds=pick(4, 3))
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The side-by-side run: H (`sync_every`), outer rounds, and the toy model's width."""
+    sync_every: int = 4
+    rounds: int = 4
+    width: int = 16
+    SMOKE = dict(sync_every=3, rounds=3)
 
 
-def main() -> None:
+def run(ctx: DistContext, cfg: Run) -> dict:
+    """The side-by-side run the notebook shows."""
+    return compare_with_torchft(ctx, sync_every=cfg.sync_every, rounds=cfg.rounds, width=cfg.width)
+
+
+def main(argv=None) -> None:
     from helpers.notice import attempt
     from helpers.show import table
     from labs.lab14_restart import on_the_cpu
 
+    cfg = Run.from_argv(argv)
     on_the_cpu()
     with distributed() as ctx:
-        out = attempt(run, ctx)
+        out = attempt(run, ctx, cfg)
         ctx.report(diloco=out)
         if ctx.rank == 0 and "unsolved" not in out:
             table([{k: v for k, v in row.items() if k != "calls"} for row in out["outer"]],

@@ -3,7 +3,7 @@ tolerance with torchft, run one after the other on the same task with the same p
 timed, and accounted: where each run's time went, and what one failure cost.
 
 Run:  ./run.sh 14      (this file alone: ./run.sh labs/lab14_failures.py; it runs on one rank and
-                        starts the other runs itself)
+                        starts the other runs itself; --help: its sizes)
 
 1. labs/lab14_restart.py on W = replicas x group ranks, under torchrun with `--max-restarts=1`:
    rank 1 SIGKILLs itself before step `kill_at`, torchrun restarts every rank, they reload the
@@ -20,46 +20,70 @@ so an interrupted cell or a restarted kernel ends them all (tests/test_lab14_no_
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from helpers import pick
 from helpers.dist import DistContext, distributed
-from labs.lab14_restart import on_the_cpu, reference_losses, task_config
+from labs import lab14_replicas as replicas_lab
+from labs import lab14_restart as restart_lab
+from labs.lab14_restart import Task, on_the_cpu, reference_losses, task_config
 
-LAB_NPROC = 1
+
+@dataclass(frozen=True)
+class Run(Task):
+    """`replicas` replica groups of `group` ranks (the restart run: all of them as one job),
+    `steps` steps, a checkpoint every `ckpt_every`, the failure in step `kill_at` (-1: none);
+    `only_ft`: the torchft run alone, not accounted (tests/test_lab14_no_leftovers.py). The lab
+    itself is one rank, which starts the runs (more ranks: rank 0 does it, the others wait)."""
+    ranks: int | None = 1
+    replicas: int = 2
+    group: int = 2
+    steps: int = 40
+    ckpt_every: int = 8
+    kill_at: int = 13
+    only_ft: bool = False
+    timeout_s: float = 900.0
+    SMOKE = dict(Task.SMOKE, group=1, steps=12, ckpt_every=4, kill_at=6)
+
+    def __post_init__(self):
+        if self.replicas < 2 or self.group < 1:
+            raise ValueError(f"--replicas must be at least 2 and --group at least 1, got {self.replicas}, {self.group}")
+        if not -1 <= self.kill_at < self.steps:
+            raise ValueError(f"--kill-at must lie in -1..{self.steps - 1}, got {self.kill_at}")
 
 
 # ============================================================================= the two runs
-def restart_run(replicas: int, group: int, steps: int, ckpt_every: int, kill_at: int, folder: Path,
-                timeout: float) -> dict:
+def restart_run(cfg: Run, folder: Path) -> dict:
     """labs/lab14_restart.py with rank 1 killed before `kill_at`; what each rank reported (by rank)."""
     from helpers.launch import launch
 
-    res = launch("labs/lab14_restart.py", "--steps", steps, "--ckpt-every", ckpt_every, "--kills", kill_at,
-                 "--ckpt-dir", folder, nproc=replicas * group, torchrun_args=["--max-restarts=1"],
-                 timeout=timeout, env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[restart run, rank${rank}]:"})
+    job = restart_lab.Run(dim=cfg.dim, ffn=cfg.ffn, seq=cfg.seq, steps=cfg.steps, ckpt_every=cfg.ckpt_every,
+                          kills=(cfg.kill_at,) if cfg.kill_at >= 0 else (), ckpt_dir=str(folder))
+    res = launch("labs/lab14_restart.py", *job.argv(), nproc=cfg.replicas * cfg.group,
+                 torchrun_args=["--max-restarts=1"], timeout=cfg.timeout_s,
+                 env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[restart run, rank${rank}]:"})
     return {"ranks": [res.results[r] for r in sorted(res.results)], "seconds": res.seconds}
 
 
-def ft_run(replicas: int, group: int, steps: int, kill_at: int, timeout: float) -> dict:
+def ft_run(cfg: Run) -> dict:
     """`replicas` torchrun launches of labs/lab14_replicas.py at once, around a lighthouse here;
     group 1's rank 0 dies in step `kill_at`. What every rank of every group reported (by group, by rank)."""
     from helpers.launch import launch
-    from labs.lab14_replicas import start_lighthouse
 
-    lighthouse, address = start_lighthouse()
+    replicas, group = cfg.replicas, cfg.group
+    lighthouse, address = replicas_lab.start_lighthouse()
     # the groups run at once: share the cores out between all their ranks, as one launch would
     threads = max(1, (os.cpu_count() or 1) // (replicas * group))
 
     def group_launch(replica: int):
-        return launch("labs/lab14_replicas.py", "--replica", replica, "--replicas", replicas,
-                      "--lighthouse", address, "--steps", steps, "--kill-at", kill_at if replica == 1 else -1,
-                      nproc=group, torchrun_args=["--max-restarts=1"], timeout=timeout,
+        job = replicas_lab.Run(dim=cfg.dim, ffn=cfg.ffn, seq=cfg.seq, replica=replica, replicas=replicas,
+                               lighthouse=address, steps=cfg.steps, kill_at=cfg.kill_at if replica == 1 else -1)
+        return launch("labs/lab14_replicas.py", *job.argv(),
+                      nproc=group, torchrun_args=["--max-restarts=1"], timeout=cfg.timeout_s,
                       env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": f"[replica group {replica}, rank${{rank}}]:",
                            "OMP_NUM_THREADS": str(threads)})
 
@@ -203,50 +227,33 @@ def per_failure_cost(restart: dict, ft: dict, replicas: int) -> dict:
 
 
 # ==================================================================================== the lab
-def run(ctx: DistContext, replicas: int | None = None, group: int | None = None, steps: int | None = None,
-        ckpt_every: int | None = None, kill_at: int | None = None, timeout: float = 900.0,
-        only_ft: bool = False) -> dict:
-    """Both runs, the reference and their accounts (rank 0 does it all; a run of one rank).
-    `only_ft`: the torchft run alone, not accounted (tests/test_lab14_no_leftovers.py)."""
-    replicas = replicas or 2
-    group = group or pick(2, 1)
-    steps = steps or pick(40, 12)
-    ckpt_every = ckpt_every or pick(8, 4)
-    kill_at = pick(13, 6) if kill_at is None else kill_at
-    if only_ft:
-        return {"ft": ft_run(replicas, group, steps, kill_at, timeout)}
+def run(ctx: DistContext, cfg: Run) -> dict:
+    """Both runs, the reference and their accounts (rank 0 does it all; other ranks, if any,
+    return at once)."""
+    if ctx.rank != 0:
+        return {}
+    if cfg.only_ft:
+        return {"ft": ft_run(cfg)}
     with tempfile.TemporaryDirectory(prefix="lab14-ckpt-") as folder:
-        restart = restart_run(replicas, group, steps, ckpt_every, kill_at, Path(folder), timeout)
-    ft = ft_run(replicas, group, steps, kill_at, timeout)
+        restart = restart_run(cfg, Path(folder))
+    ft = ft_run(cfg)
     r_acc, f_acc = account_restart(restart["ranks"][0]), account_ft(ft["groups"])
-    return {"config": {"replicas": replicas, "group": group, "steps": steps, "ckpt_every": ckpt_every,
-                       "kill_at": kill_at, **task_config().as_dict()},
+    return {"config": {"replicas": cfg.replicas, "group": cfg.group, "steps": cfg.steps,
+                       "ckpt_every": cfg.ckpt_every, "kill_at": cfg.kill_at, **task_config(cfg).as_dict()},
             "restart": {**restart, "account": r_acc}, "ft": {**ft, "account": f_acc},
-            "reference": reference_losses(task_config(), max(steps, len(f_acc["losses"]) + 1)),
-            "per_failure": per_failure_cost(r_acc, f_acc, replicas)}
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=None)
-    parser.add_argument("--group", type=int, default=None, help="ranks per replica group")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--ckpt-every", type=int, default=None)
-    parser.add_argument("--kill-at", type=int, default=None, help="-1: no failure")
-    parser.add_argument("--only-ft", action="store_true", help="the torchft run alone, not accounted")
-    return parser.parse_args(argv)
+            "reference": reference_losses(task_config(cfg), max(cfg.steps, len(f_acc["losses"]) + 1)),
+            "per_failure": per_failure_cost(r_acc, f_acc, cfg.replicas)}
 
 
 def main(argv=None) -> None:
     from helpers.show import table
 
-    args = parse_args(argv)
+    cfg = Run.from_argv(argv)
     on_the_cpu()
     with distributed() as ctx:
-        out = run(ctx, args.replicas, args.group, args.steps, args.ckpt_every, args.kill_at,
-                  only_ft=args.only_ft)
+        out = run(ctx, cfg)
         ctx.report(failures=out)
-        if args.only_ft:
+        if cfg.only_ft or ctx.rank != 0:
             return
         r, f = out["restart"]["account"], out["ft"]["account"]
         table([{"run": name, "wall s": a["wall"], "kept s": a["kept"], "step ms": 1e3 * a["step_s"]}

@@ -31,18 +31,18 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import pick
 from helpers.comm_count import count_collectives, ring_bytes_sent
 from helpers.dist import DistContext, distributed
 from helpers.slow_link import slow_link
 from labs.lab12_model import batch_at, corpus, split
 from labs.lab14_replicas import in_one_launch, plain_state, load_plain_state
-from labs.lab14_restart import lm_loss, make_model, on_the_cpu, rank_batch, task_config, train_text
+from labs.lab14_restart import Task, lm_loss, make_model, on_the_cpu, rank_batch, task_config, train_text
 
 LINK_STEPS = 4.0                       # one whole-model all-reduce takes this many steps' compute
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}   # DiLoCo's outer SGD (Douillard et al.)
@@ -102,12 +102,12 @@ def quantisation_error(x: torch.Tensor) -> dict:
 
 # =========================================================================== one method's run
 def train_method(ctx: DistContext, method: str, steps: int, sync_every: int, fragment_count: int,
-                 delay: int, link_bytes_per_s: float | None) -> dict:
+                 delay: int, link_bytes_per_s: float | None, task: Task | None = None) -> dict:
     """Train `steps` steps with `method` (one of METHODS) from the common start, over the slowed
     link if `link_bytes_per_s` is given. Returns time, compute time, traffic and losses."""
     from torchft.local_sgd import DiLoCo, LocalSGD
 
-    config, data = task_config(), train_text()
+    config, data = task_config(task), train_text()
     model, inner = make_model(config)
     manager, lighthouse, algorithm = None, None, None
     if method != "DDP":
@@ -271,25 +271,39 @@ def link_for(ctx: DistContext, compute_s: float, model_bytes: int) -> float:
     return ring_bytes_sent("all_reduce", model_bytes, ctx.world_size) / (LINK_STEPS * slowest.item())
 
 
-def run(ctx: DistContext, steps: int | None = None, sync_every: int | None = None,
-        fragment_count: int = 2, delay: int | None = None, methods=METHODS) -> dict:
+@dataclass(frozen=True)
+class Run(Task):
+    """Inner steps of every method, H (`sync_every`: inner steps between synchronisations), the
+    streaming fragments and tau (`delay`: inner steps a fragment's all-reduce has to arrive)."""
+    steps: int = 96
+    sync_every: int = 8
+    fragments: int = 2
+    delay: int = 2
+    SMOKE = dict(Task.SMOKE, steps=8, sync_every=4, delay=1)
+
+    def __post_init__(self):
+        if self.sync_every < 1 or self.steps % self.sync_every:
+            raise ValueError(f"--steps must be a multiple of --sync-every, got {self.steps}, {self.sync_every}")
+        if not 0 <= self.delay < self.sync_every // max(1, self.fragments) or self.fragments < 1:
+            raise ValueError(f"--delay must lie below --sync-every / --fragments, got {self.delay}")
+
+
+def run(ctx: DistContext, cfg: Run, methods=METHODS) -> dict:
     """Every method over loopback, then over the slowed link; rank 0's view (the replicas agree
     after each method's last sync: checked, `spread`)."""
-    steps = steps or pick(96, 8)
-    sync_every = sync_every or pick(8, 4)
-    delay = pick(2, 1) if delay is None else delay
-    config = task_config()
+    steps, sync_every, fragment_count, delay = cfg.steps, cfg.sync_every, cfg.fragments, cfg.delay
+    config = task_config(cfg)
     model_bytes = sum(p.numel() * 4 for p in make_model(config)[0].parameters())
     out = {"config": {"steps": steps, "sync_every": sync_every, "fragments": fragment_count,
                       "delay": delay, "replicas": ctx.world_size, "model_bytes": model_bytes,
                       "tokens": steps * config.batch * config.seq, **config.as_dict()},
            "fast": {}, "slow": {}}
     for method in methods:
-        out["fast"][method] = train_method(ctx, method, steps, sync_every, fragment_count, delay, None)
+        out["fast"][method] = train_method(ctx, method, steps, sync_every, fragment_count, delay, None, cfg)
     bandwidth = link_for(ctx, out["fast"]["DDP"]["compute_s"], model_bytes) if "DDP" in methods else 1e9
     out["link_bytes_per_s"] = bandwidth
     for method in methods:
-        out["slow"][method] = train_method(ctx, method, steps, sync_every, fragment_count, delay, bandwidth)
+        out["slow"][method] = train_method(ctx, method, steps, sync_every, fragment_count, delay, bandwidth, cfg)
     for runs in (out["fast"], out["slow"]):
         for result in runs.values():
             result["spread"] = _spread(result.pop("params"))
@@ -306,12 +320,13 @@ def _spread(params: list[torch.Tensor]) -> float:
     return diff.item()
 
 
-def main() -> None:
+def main(argv=None) -> None:
     from helpers.show import table
 
+    cfg = Run.from_argv(argv)
     on_the_cpu()
     with distributed() as ctx:
-        out = run(ctx)
+        out = run(ctx, cfg)
         ctx.report(lowcomm=out)
         if ctx.rank == 0:
             for link in ("fast", "slow"):

@@ -31,24 +31,24 @@ labs/lab14_lowcomm.py and lab14_diloco.py use it for torchft's DiLoCo.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import logging
 import os
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from helpers import pick
 from helpers.comm_count import count_collectives
 from helpers.dist import DistContext, distributed, timeout_seconds
-from labs.lab14_restart import (kill_myself, lm_loss, make_model, on_the_cpu, rank_batch, task_config,
+from labs.lab14_restart import (Task, kill_myself, lm_loss, make_model, on_the_cpu, rank_batch, task_config,
                                 train_text)
 
 LIGHTHOUSE = {"heartbeat_timeout_ms": 1000, "join_timeout_ms": 500, "quorum_tick_ms": 20}
+MAX_DISCARDED = 5      # steps in a row a group may discard before it calls the run broken
 
 
 def quiet_torchft() -> None:
@@ -157,16 +157,17 @@ def wait_for_every_group(manager, replicas: int, patience_s: float = 120.0) -> N
 
 
 def replica_run(ctx: DistContext, replica: int, replicas: int, lighthouse: str, steps: int,
-                kill_at: int = -1, patience_s: float = 600.0) -> dict:
+                kill_at: int = -1, patience_s: float = 600.0, task: Task | None = None) -> dict:
     """Train as replica group `replica` of `replicas` until `steps` committed steps are done and
     every group is in the quorum (while a group is down the others train on up to `steps`, then
     wait for it, for at most `patience_s` seconds). On its first attempt, group `replica` kills its rank 0 in the middle of
-    step `kill_at` (after the backward, before the cross-group all-reduce)."""
+    step `kill_at` (after the backward, before the cross-group all-reduce). `task`: the model's
+    sizes (None: the Task's preset)."""
     from helpers.dist import device_mesh
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     born = __import__("psutil").Process().create_time()
-    config, data = task_config(), train_text()
+    config, data = task_config(task), train_text()
     mesh = device_mesh("cpu", dp_shard=ctx.world_size) if ctx.world_size > 1 else None
     model, optimizer = make_model(config, mesh)
     counts: Counter = Counter()
@@ -183,7 +184,7 @@ def replica_run(ctx: DistContext, replica: int, replicas: int, lighthouse: str, 
     manager = make_manager(lighthouse, f"replica{replica}", ctx.rank, ctx.world_size, store_port,
                            state_dict, load_state_dict)
     events = {"born": born, "ready": time.time(), "steps": [], "heals": []}
-    quorum_ids, traffic, missing_since = set(), Counter(), None
+    quorum_ids, traffic, missing_since, discarded_in_a_row = set(), Counter(), None, 0
     try:
         if attempt == 0:
             wait_for_every_group(manager, replicas)
@@ -241,10 +242,16 @@ def replica_run(ctx: DistContext, replica: int, replicas: int, lighthouse: str, 
                 traffic[f"{c.kind} bytes"] += c.nbytes
             if committed:
                 optimizer.step()
+                discarded_in_a_row = 0
             else:
-                error = str(manager.errored() or "").strip().splitlines()
-                print(f"replica {replica}: step {step} discarded (should_commit: no): "
-                      f"{error[0][:120] if error else 'not enough groups'}", flush=True)
+                failure = manager.errored()
+                failure = getattr(failure, "original_exception", failure)
+                error = f"{type(failure).__name__}: {failure}"[:160] if failure else "not enough groups"
+                print(f"replica {replica}: step {step} discarded (should_commit: no): {error}", flush=True)
+                discarded_in_a_row += 1
+                if discarded_in_a_row >= MAX_DISCARDED:   # a bug, not a peer's failure: stop
+                    raise RuntimeError(f"replica {replica}: {MAX_DISCARDED} steps in a row discarded; "
+                                       f"the last: {error}")
             optimizer.zero_grad()
             counts["should_commit: yes" if committed else "should_commit: no"] += 1
             # [step, start, quorum done, all-reduces done, vote done, end, committed, groups, loss]
@@ -262,36 +269,51 @@ def replica_run(ctx: DistContext, replica: int, replicas: int, lighthouse: str, 
             "pid": os.getpid()}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replica", type=int, default=0)
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--lighthouse", default="", help="address; default: start one here (one group)")
-    parser.add_argument("--steps", type=int, default=pick(40, 12))
-    parser.add_argument("--patience", type=float, default=600.0, help="seconds a group may stay away")
-    parser.add_argument("--kill-at", type=int, default=-1, help="this group's rank 0 dies in this step (first attempt)")
-    return parser.parse_args(argv)
+@dataclass(frozen=True)
+class Run(Task):
+    """This launch is replica group `replica` of `replicas` (its ranks: the group's), training
+    `steps` committed steps; `lighthouse`: the lighthouse's address (empty: start one here, for
+    one group alone); `patience_s`: how long a group may stay away; `kill_at`: the step in which
+    this group's rank 0 dies on its first attempt (-1: none)."""
+    replica: int = 0
+    replicas: int = 1
+    lighthouse: str = ""
+    steps: int = 40
+    patience_s: float = 600.0
+    kill_at: int = -1
+    SMOKE = dict(Task.SMOKE, steps=12)
+    TOUR = dict(SMOKE, steps=8)
+
+    def __post_init__(self):
+        if not 0 <= self.replica < self.replicas:
+            raise ValueError(f"--replica must lie in 0..{self.replicas - 1}, got {self.replica}")
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    """One replica group's run (alone, without a lighthouse address: one group with its own)."""
+    lighthouse, address = None, [cfg.lighthouse]
+    if not cfg.lighthouse:    # alone (./run.sh 14): one group, its lighthouse on rank 0
+        if ctx.rank == 0:
+            lighthouse, address[0] = start_lighthouse()
+        dist.broadcast_object_list(address, src=0)
+    try:
+        result = replica_run(ctx, cfg.replica, cfg.replicas, address[0], cfg.steps, cfg.kill_at,
+                             cfg.patience_s, task=cfg)
+        ctx.barrier()      # the lighthouse stays until every rank is done with it
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    return result
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    cfg = Run.from_argv(argv)
     on_the_cpu()
     with distributed() as ctx:
-        lighthouse, address = None, [args.lighthouse]
-        if not args.lighthouse:    # alone (./run.sh 14): one group, its lighthouse on rank 0
-            if ctx.rank == 0:
-                lighthouse, address[0] = start_lighthouse()
-            dist.broadcast_object_list(address, src=0)
-        try:
-            result = replica_run(ctx, args.replica, args.replicas, address[0], args.steps,
-                                 args.kill_at, args.patience)
-            ctx.report(result=result)
-            ctx.print0(f"replica {args.replica}: {result['final_step']} steps, attempt "
-                       f"{result['attempt']}, {result['counts']}")
-            ctx.barrier()      # the lighthouse stays until every rank is done with it
-        finally:
-            if lighthouse is not None:
-                lighthouse.shutdown()
+        result = run(ctx, cfg)
+        ctx.report(result=result)
+        ctx.print0(f"replica {cfg.replica}: {result['final_step']} steps, attempt "
+                   f"{result['attempt']}, {result['counts']}")
 
 
 if __name__ == "__main__":

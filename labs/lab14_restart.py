@@ -5,7 +5,7 @@ planted steps: torchrun (`--max-restarts`) stops every rank and starts them all 
 reloads the last checkpoint and the steps since it are done again.
 
 Run:  ./run.sh 14      (labs/lab14_failures.py runs this with planted failures, beside torchft)
-Alone, without a failure:  NPROC=2 ./run.sh labs/lab14_restart.py
+Alone, without a failure:  NPROC=2 ./run.sh labs/lab14_restart.py   (--help: its sizes)
 With two failures (rank 1 dies before step 7 of the first attempt and before step 15 of the
 second):
 
@@ -20,17 +20,17 @@ the torchft replicas of labs/lab14_replicas.py.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.tensors import divide
 from labs.lab12_checkpoint import latest, load, save
@@ -40,10 +40,21 @@ LR = 3e-3
 
 
 # ============================================================================ the shared task
-def task_config() -> LMConfig:
-    """Lab 14's model and global batch (smoke mode: smaller)."""
-    return pick(LMConfig(dim=64, heads=4, layers=2, ffn=128, seq=64, batch=8),
-                LMConfig(dim=32, heads=4, layers=2, ffn=64, seq=32, batch=8))
+@dataclass(frozen=True)
+class Task(runs.Run):
+    """Lab 14's model (a byte-level transformer of 2 layers, 4 heads) and its global batch of 8
+    sequences: the base of every lab 14 run description that trains it."""
+    dim: int = 64
+    ffn: int = 128
+    seq: int = 64
+    SMOKE = dict(dim=32, ffn=64, seq=32)
+
+
+def task_config(cfg: Task | None = None) -> LMConfig:
+    """Lab 14's model and global batch, as `cfg` sizes them (None: the Task's preset, smoke under
+    COURSE_SMOKE=1)."""
+    cfg = Task.preset() if cfg is None else cfg
+    return LMConfig(dim=cfg.dim, heads=4, layers=2, ffn=cfg.ffn, seq=cfg.seq, batch=8)
 
 
 def train_text() -> torch.Tensor:
@@ -98,8 +109,8 @@ def kill_myself(ctx: DistContext, step: int, when: str = "before") -> None:
 
 
 # ============================================================================== the run
-def train(ctx: DistContext, steps: int, ckpt_every: int, root: Path, kills: list[int],
-          kill_rank: int = 1) -> dict:
+def train(ctx: DistContext, config: LMConfig, steps: int, ckpt_every: int, root: Path,
+          kills: tuple[int, ...], kill_rank: int = 1) -> dict:
     """Train `steps` steps on this rank's part of each global batch, checkpointing every
     `ckpt_every`; resume from the newest complete checkpoint if there is one. On attempt a (torchrun's
     restart count), rank `kill_rank` kills itself before step kills[a]. Reports this attempt's events."""
@@ -107,7 +118,7 @@ def train(ctx: DistContext, steps: int, ckpt_every: int, root: Path, kills: list
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     born = __import__("psutil").Process().create_time()
-    config, data = task_config(), train_text()
+    data = train_text()
     mesh = device_mesh("cpu", dp=ctx.world_size) if ctx.world_size > 1 else None
     model, optimizer = make_model(config, mesh)
     trainer = SimpleNamespace(model=model, optimizer=optimizer)
@@ -139,35 +150,45 @@ def train(ctx: DistContext, steps: int, ckpt_every: int, root: Path, kills: list
             save(trainer, root, step + 1)
             events["checkpoints"].append([step + 1, t1, time.time()])
         ctx.report(**{f"attempt{attempt}": events})
-    return {"attempts": attempt + 1, "steps": steps, "ckpt_every": ckpt_every, "kills": kills,
+    return {"attempts": attempt + 1, "steps": steps, "ckpt_every": ckpt_every, "kills": list(kills),
             "world_size": ctx.world_size}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=pick(40, 12))
-    parser.add_argument("--ckpt-every", type=int, default=pick(8, 4))
-    parser.add_argument("--kills", default="", help="comma-separated: the step rank 1 dies before, per attempt")
-    parser.add_argument("--ckpt-dir", default="", help="default: runs/lab14/restart (emptied first)")
-    args = parser.parse_args(argv)
-    args.kills = [int(s) for s in args.kills.split(",") if s.strip()]
-    if any(k < 0 or k >= args.steps for k in args.kills):
-        parser.error(f"--kills must lie in 0..{args.steps - 1}, got {args.kills}")
-    return args
+@dataclass(frozen=True)
+class Run(Task):
+    """Steps, a checkpoint every `ckpt_every` steps, the steps rank 1 dies before (one per
+    attempt: `--kills 7,15`) and the checkpoints' folder (empty: runs/lab14/restart, emptied first)."""
+    steps: int = 40
+    ckpt_every: int = 8
+    kills: tuple[int, ...] = ()
+    ckpt_dir: str = ""
+    SMOKE = dict(Task.SMOKE, steps=12, ckpt_every=4)
+    TOUR = dict(SMOKE, steps=8)
+
+    def __post_init__(self):
+        if self.steps < 1 or self.ckpt_every < 1:
+            raise ValueError(f"--steps and --ckpt-every must be at least 1, got {self.steps}, {self.ckpt_every}")
+        if any(k < 0 or k >= self.steps for k in self.kills):
+            raise ValueError(f"--kills must lie in 0..{self.steps - 1}, got {list(self.kills)}")
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    """Train (resuming from the newest checkpoint on a restart); this attempt's summary."""
+    root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else \
+        Path(__file__).resolve().parent.parent / "runs" / "lab14" / "restart"
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and ctx.rank == 0 and root.exists():
+        shutil.rmtree(root)    # a fresh run starts from nothing
+    ctx.barrier()
+    return train(ctx, task_config(cfg), cfg.steps, cfg.ckpt_every, root, cfg.kills)
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    cfg = Run.from_argv(argv)
     on_the_cpu()
-    root = Path(args.ckpt_dir) if args.ckpt_dir else \
-        Path(__file__).resolve().parent.parent / "runs" / "lab14" / "restart"
     with distributed() as ctx:
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and ctx.rank == 0 and root.exists():
-            shutil.rmtree(root)    # a fresh run starts from nothing
-        ctx.barrier()
-        summary = train(ctx, args.steps, args.ckpt_every, root, args.kills)
+        summary = run(ctx, cfg)
         ctx.report(summary=summary)
-        ctx.print0(f"done: {args.steps} steps in {summary['attempts']} attempt(s)")
+        ctx.print0(f"done: {cfg.steps} steps in {summary['attempts']} attempt(s)")
 
 
 if __name__ == "__main__":

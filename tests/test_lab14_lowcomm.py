@@ -27,7 +27,8 @@ from labs import lab14_lowcomm as lowcomm_lab
 from labs.lab14_restart import make_model, task_config
 from tests.harness import launch_ranks
 
-STEPS, H, DELAY = 8, 4, 1
+CFG = lowcomm_lab.Run.preset("smoke", steps=8, sync_every=4, delay=1)
+STEPS, H, DELAY = CFG.steps, CFG.sync_every, CFG.delay
 
 
 # ---------------------------------------------------------------------------------- in this process
@@ -46,7 +47,7 @@ def test_loss_verdict_flips():
 
 
 def test_fragments_cover_the_model_once():
-    model, _ = make_model(task_config())
+    model, _ = make_model(task_config(CFG))
     parts = lowcomm_lab.fragments(model, 2)
     ids = [id(p) for part in parts for p in part.parameters()]
     assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(set(ids)) == len(ids)
@@ -100,7 +101,7 @@ def worker() -> None:
 
     with distributed() as ctx:
         torch.set_num_threads(1)
-        out = lowcomm_lab.run(ctx, steps=STEPS, sync_every=H, delay=DELAY)
+        out = lowcomm_lab.run(ctx, CFG)
         # the slowed link alone: 1 MB all-reduces on 2 ranks (each rank sends 1 MB: a ring)
         x = torch.ones(250_000)
         with slow_link(20e6) as link:
@@ -117,7 +118,7 @@ def worker() -> None:
         if ctx.rank == 0:    # one process on whole global batches
             from labs.lab12_model import batch_at
 
-            config, data = task_config(), train_text()
+            config, data = task_config(CFG), train_text()
             model, optimizer = make_model(config)
             for step in range(STEPS):
                 x, y = batch_at(data, step, config.batch, config.seq)
