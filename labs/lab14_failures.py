@@ -57,6 +57,13 @@ class Run(Task):
 
 
 # ============================================================================= the two runs
+def forked() -> bool:
+    """Whether the runs' ranks are forks of a warm torchrun (COURSE_FORK_RANKS=1: the tests and
+    CI), restarts included: no torch import per rank and per attempt. A student's run starts
+    them fresh, as a real job does (helpers/launch/torchrun.py)."""
+    from helpers.config import settings
+
+    return settings().fork_ranks
 def restart_run(cfg: Run, folder: Path) -> dict:
     """labs/lab14_restart.py with rank 1 killed before `kill_at`; what each rank reported (by rank)."""
     from helpers.launch import launch
@@ -64,7 +71,7 @@ def restart_run(cfg: Run, folder: Path) -> dict:
     job = restart_lab.Run(dim=cfg.dim, ffn=cfg.ffn, seq=cfg.seq, steps=cfg.steps, ckpt_every=cfg.ckpt_every,
                           kills=(cfg.kill_at,) if cfg.kill_at >= 0 else (), ckpt_dir=str(folder))
     res = launch("labs/lab14_restart.py", *job.argv(), nproc=cfg.replicas * cfg.group,
-                 torchrun_args=["--max-restarts=1"], timeout=cfg.timeout_s,
+                 torchrun_args=["--max-restarts=1"], timeout=cfg.timeout_s, fork_ranks=forked(),
                  env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[restart run, rank${rank}]:"})
     return {"ranks": [res.results[r] for r in sorted(res.results)], "seconds": res.seconds}
 
@@ -83,7 +90,7 @@ def ft_run(cfg: Run) -> dict:
         job = replicas_lab.Run(dim=cfg.dim, ffn=cfg.ffn, seq=cfg.seq, replica=replica, replicas=replicas,
                                lighthouse=address, steps=cfg.steps, kill_at=cfg.kill_at if replica == 1 else -1)
         return launch("labs/lab14_replicas.py", *job.argv(),
-                      nproc=group, torchrun_args=["--max-restarts=1"], timeout=cfg.timeout_s,
+                      nproc=group, torchrun_args=["--max-restarts=1"], timeout=cfg.timeout_s, fork_ranks=forked(),
                       env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": f"[replica group {replica}, rank${{rank}}]:",
                            "OMP_NUM_THREADS": str(threads)})
 

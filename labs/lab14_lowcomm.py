@@ -110,6 +110,7 @@ def train_method(ctx: DistContext, method: str, steps: int, sync_every: int, fra
     config, data = task_config(task), train_text()
     model, inner = make_model(config)
     manager, lighthouse, algorithm = None, None, None
+    t_setup = time.perf_counter()
     if method != "DDP":
         manager, lighthouse = in_one_launch(ctx, lambda: plain_state(model, inner),
                                             lambda s: load_plain_state(model, inner, s))
@@ -124,6 +125,7 @@ def train_method(ctx: DistContext, method: str, steps: int, sync_every: int, fra
             algorithm = DiLoCo(used, parts, inner, outers, sync_every=sync_every,
                                fragment_sync_delay=delay if method == "streaming DiLoCo" else 0)
     losses, compute, curve, step_times = [], [], [], []
+    setup_s = time.perf_counter() - t_setup
     link = slow_link(link_bytes_per_s) if link_bytes_per_s else None
     ctx.barrier()
     try:
@@ -149,13 +151,14 @@ def train_method(ctx: DistContext, method: str, steps: int, sync_every: int, fra
                     start += time.perf_counter() - t_eval     # evaluation is not training time
             wall = time.perf_counter() - start
     finally:
+        t_end = time.perf_counter()
         if manager is not None:
             manager.shutdown(wait=False)
             ctx.barrier()             # every replica is done with the lighthouse
         if lighthouse is not None:
             lighthouse.shutdown()
     sent = sum(c.sent_bytes for c in log)
-    out = {"wall": wall, "step_s": wall / steps, "compute_s": statistics.median(compute),
+    out = {"wall": wall, "setup_s": setup_s, "teardown_s": time.perf_counter() - t_end, "step_s": wall / steps, "compute_s": statistics.median(compute),
            "compute_spread": relative_spread(compute), "step_times": step_times,
            "manager": dict(manager_time) if manager is not None else {},
            "calls": len(log), "sent_bytes": sent, "sent_per_step": sent / steps, "losses": losses,
