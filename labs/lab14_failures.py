@@ -48,6 +48,7 @@ class Run(Task):
     only_ft: bool = False
     timeout_s: float = 900.0
     SMOKE = dict(Task.SMOKE, group=1, steps=12, ckpt_every=4, kill_at=6)
+    TOUR = dict(SMOKE, steps=8, ckpt_every=3, kill_at=4)
 
     def __post_init__(self):
         if self.replicas < 2 or self.group < 1:
