@@ -291,9 +291,9 @@ class Run(Task):
             raise ValueError(f"--delay must lie below --sync-every / --fragments, got {self.delay}")
 
 
-def run(ctx: DistContext, cfg: Run, methods=METHODS) -> dict:
-    """Every method over loopback, then over the slowed link; rank 0's view (the replicas agree
-    after each method's last sync: checked, `spread`)."""
+def run(ctx: DistContext, cfg: Run, methods=METHODS, slow_methods=None) -> dict:
+    """Every method over loopback, then over the slowed link (`slow_methods`, default: the same);
+    rank 0's view (the replicas agree after each method's last sync: checked, `spread`)."""
     steps, sync_every, fragment_count, delay = cfg.steps, cfg.sync_every, cfg.fragments, cfg.delay
     config = task_config(cfg)
     model_bytes = sum(p.numel() * 4 for p in make_model(config)[0].parameters())
@@ -305,7 +305,7 @@ def run(ctx: DistContext, cfg: Run, methods=METHODS) -> dict:
         out["fast"][method] = train_method(ctx, method, steps, sync_every, fragment_count, delay, None, cfg)
     bandwidth = link_for(ctx, out["fast"]["DDP"]["compute_s"], model_bytes) if "DDP" in methods else 1e9
     out["link_bytes_per_s"] = bandwidth
-    for method in methods:
+    for method in methods if slow_methods is None else slow_methods:
         out["slow"][method] = train_method(ctx, method, steps, sync_every, fragment_count, delay, bandwidth, cfg)
     for runs in (out["fast"], out["slow"]):
         for result in runs.values():
