@@ -13,6 +13,7 @@
   checked against CommDebugMode and the flight recorder;
 - comm_count: what a process sends (point-to-point, collectives: views of the meter; or counted by
   the caller);
+- slow_link: a slow link imposed on a process's collectives (notebook 14's distant replicas);
 - memory: what autograd saves for the backward, and the peak allocated during a block;
 - accounting, tensors: the bytes a process holds; even splits, seeded construction;
 - show: tables, figures and explorers, in a notebook and on a terminal;

@@ -211,7 +211,12 @@ class _Group(NamedTuple):
 
 
 def group_ranks(group) -> tuple[int, ...]:
-    return tuple(sorted(dist.get_process_group_ranks(group)))
+    """The group's ranks in the default group; () for a group torch's registry does not know
+    (one made outside init_process_group/new_group: torchft's replica groups' own)."""
+    try:
+        return tuple(sorted(dist.get_process_group_ranks(group)))
+    except KeyError:
+        return ()
 
 
 class TrafficMeter(TorchDispatchMode):
@@ -343,6 +348,8 @@ class TrafficMeter(TorchDispatchMode):
             return desc[len("mesh_"):] if desc.startswith("mesh_") else desc
         if ranks == tuple(range(dist.get_world_size())):
             return "world"
+        if not ranks:
+            return f"unregistered group of {pg.size()}"
         return "ranks " + ",".join(map(str, ranks))
 
     # -------------------------------------------------------------------------------- reading
