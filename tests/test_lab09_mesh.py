@@ -26,7 +26,8 @@ from tests.harness import launch_ranks
 
 @pytest.fixture(scope="module")
 def run4():
-    return launch_ranks("helpers/launch/run_labs.py", "lab09_mesh", "lab09_sequence_parallel", "lab09_pipelines",
+    return launch_ranks("helpers/launch/run_labs.py", "--preset", "smoke", "lab09_mesh", "lab09_sequence_parallel",
+                        "lab09_pipelines",
                         nproc=4, timeout=300, env={"COURSE_SMOKE": "1"})
 
 
