@@ -39,13 +39,13 @@ from helpers import runs
 from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import reduce_scatter_single
 from helpers.dist import DistContext, distributed
+from helpers.memory import SavedTensorBytes
 from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide, seeded
 from labs.lab05_tensor_parallel import (MLP, ColumnParallelLinear, RowParallelLinear,
                                         max_param_diffs, shard)
 from labs.lab05_tp_transformer import Attention, Block, dense_block, tensor_parallel_block
-from labs.lab07_memory import SavedTensorBytes
 
 
 # ================================================================== sequence collectives
