@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from helpers.comm_count import RING_SHARE
+from helpers.model_states import model_state_bytes
 from helpers.tensors import divide
-from labs.lab08_zero import model_state_bytes
 from labs.lab09_schedules import PLANNER_SCHEDULES, pipeline_timing
 
 GB = 1e9

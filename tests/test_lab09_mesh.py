@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.model_states import model_state_bytes
 from helpers.notice import solved
 from labs import lab06_pipelining_api as api
 from labs import lab09_mesh as mesh
 from labs import lab09_schedules as s9
-from labs.lab08_zero import model_state_bytes
 from labs.lab09_planner import ModelSpec, activation_bytes_per_layer
 from tests.harness import launch_ranks
 
