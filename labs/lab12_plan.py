@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,13 +59,13 @@ class Run(LMRun, Probe):
                  cpu_dense_repeats=3, **PROBE_SMOKE)
 
 
-def stack_sizes(config: LMConfig, rounds: int | None = None, probe: Probe | None = None) -> dict:
-    """Lab 09's dense stack (measure_machine's calibration step) at lab 12's sizes, with the
-    rounds and the probe of `probe` (default: this mode's preset)."""
-    probe = probe or Run.preset()
+def stack_sizes(config: LMConfig, rounds: int | None = None, cfg: Run | None = None) -> dict:
+    """Lab 09's dense stack (measure_machine's calibration step) at lab 12's sizes, timed in
+    `rounds` rounds (None: cfg's), with cfg's Probe fields (cfg None: this mode's preset)."""
+    cfg = cfg or Run.preset()
     return dict(layers=config.layers, d_model=config.dim, heads=config.heads, seq=config.seq, batch=config.batch,
-                timed_steps=rounds if rounds is not None else getattr(probe, "rounds", Run.preset().rounds),
-                **{name: getattr(probe, name) for name in Probe.__dataclass_fields__})
+                timed_steps=cfg.rounds if rounds is None else rounds,
+                **{f.name: getattr(cfg, f.name) for f in fields(Probe)})
 
 
 def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[str]:
