@@ -15,7 +15,9 @@
   the caller);
 - slow_link: a slow link imposed on a process's collectives (notebook 14's distant replicas);
 - memory: what autograd saves for the backward, and the peak allocated during a block;
-- accounting, tensors: the bytes a process holds; even splits, seeded construction;
+  fsdp_units: FSDP2's units, how many are gathered at once, what one holds gathered;
+- accounting, model_states, tensors: the bytes a process holds; the model states ZeRO's stages
+  leave each rank, by formula; even splits, seeded construction;
 - show: tables, figures and explorers, in a notebook and on a terminal;
 - flight_recorder, mystery_jobs: notebook 10's instruments (torch's flight recorder; the jobs of
   the `diagnose` exercise);

@@ -50,6 +50,7 @@ from helpers.accounting import backend_released, held_bytes
 from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import all_gather_single, reduce_scatter_single
 from helpers.dist import DistContext, distributed, new_group
+from helpers.model_states import model_state_bytes
 from helpers.show import table
 from helpers.tensors import divide
 from labs.lab07_memory import make_blocks
@@ -99,15 +100,7 @@ MIXED_PRECISION_ADAM = dict(param_bytes=2, grad_bytes=2, state_bytes=12)  # the 
 # K = 12 bytes of fp32 master parameters, momentum and variance: 16 bytes per parameter in all
 
 
-def model_state_bytes(num_params: float, world_size: int, stage: int, param_bytes: int = 4,
-                      grad_bytes: int = 4, state_bytes: int = 8) -> dict[str, float]:
-    """Bytes per rank of parameters, gradients and optimizer state under ZeRO `stage` (the paper's
-    Figure 1: stage 1 divides the optimizer state by N, stage 2 the gradients too, stage 3 all)."""
-    n = world_size
-    parts = {"parameters": num_params * param_bytes / (n if stage >= 3 else 1),
-             "gradients": num_params * grad_bytes / (n if stage >= 2 else 1),
-             "optimizer state": num_params * state_bytes / (n if stage >= 1 else 1)}
-    return {**parts, "total": sum(parts.values())}
+# model_state_bytes (helpers/model_states.py, imported above): the paper's Figure 1, per rank
 
 
 def step_sent_bytes(num_params: float, world_size: int, stage: int, elem_bytes: int = 4) -> float:

@@ -14,8 +14,9 @@ published: they are references, not measurements of this course. The planner's o
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
+from helpers import runs
 from helpers.comm_bench import LINK_BYTES_PER_S
 from helpers.notice import attempt
 from labs.lab09_planner import (A100_SELENE, GB, ClusterSpec, ModelSpec, ParallelConfig, axis_link,
@@ -226,17 +227,36 @@ def with_tp_across_nodes(config: ParallelConfig, cluster: ClusterSpec) -> Cluste
     return replace(cluster, gpus_per_node=max(1, config.tp // 2))
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The cluster sizes (GPUs) each model of MODELS is ranked on, and how many of the fastest
+    configurations that fit are shown."""
+    gpus: tuple[int, ...] = (64, 256, 1024)
+    top: int = 3
+    SMOKE = dict(gpus=(64,))
+
+
+def run(ctx, cfg: Run) -> dict:
+    """Rank 0 (pure arithmetic): the `top` fastest configurations of each model on each cluster
+    size, and the published runs beside the planner (both need the planner exercise)."""
+    if ctx.rank != 0:
+        return {}
+    return {"ranked": {f"{name} on {n} GPUs": attempt(rank_configs, model, H100_CLUSTER, n, top=cfg.top)
+                       for name, model in MODELS.items() for n in cfg.gpus},
+            "published": attempt(published_comparison)}
+
+
+def main(argv: list[str] | None = None) -> None:
     from helpers.dist import distributed
     from helpers.notice import notice_if_unsolved, solved
     from helpers.show import table
 
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
         if ctx.rank != 0:        # pure arithmetic: one rank is enough
             return
-        ranked = {f"{name} on {n} GPUs": attempt(rank_configs, model, H100_CLUSTER, n, top=3)
-                  for name, model in MODELS.items() for n in (64, 1024)}
-        published = attempt(published_comparison)
+        out = run(ctx, cfg)
+        ranked, published = out["ranked"], out["published"]
         ctx.report(ranked=ranked, published=published)
         for title, rows in ranked.items():
             with notice_if_unsolved():

@@ -16,12 +16,12 @@ alternating rounds (`timed_rounds`) with the steps the planner is to predict, un
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from helpers import pick, smoke
 from helpers.bench import measure
 from helpers.comm_bench import all_reduce_fit, fit_call_costs, reduce_scatter_single, slowest
 from helpers.dist import DistContext, device_mesh
@@ -30,6 +30,21 @@ from labs.lab09_sequence_parallel import (GatherSequenceLinear, ReduceScatterToS
                                           dense_stack, local_loss, sample)
 
 LR, MOMENTUM = 0.05, 0.9     # labs/lab09_mesh.py's SGD, which the calibration step runs too
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How long `measure_machine` looks, fields of the run descriptions of the labs that call it
+    (labs/lab09_mesh.py, lab12_plan.py): the all-reduce sweep's message sizes (elements) and
+    repeats, and the small calls back to back (calls per timed repeat, repeats)."""
+    fit_sizes: tuple[int, ...] = tuple(4 * 4 ** i for i in range(0, 12, 2))
+    fit_repeats: int = 5
+    back_to_back: int = 20
+    back_to_back_repeats: int = 5
+
+
+PROBE_SMOKE = dict(fit_sizes=(4, 256 * 1024, 4 * 1024 * 1024), fit_repeats=2, back_to_back=5,
+                   back_to_back_repeats=2)
 
 
 class WithCalls(nn.Module):
@@ -90,12 +105,11 @@ def compute_step(ctx: DistContext, sizes: dict, x: torch.Tensor, target: torch.T
                   "calls": 0 if calls == "none" else calls_per_step(calls, sizes["layers"])}
 
 
-def all_reduce_alpha_beta(ctx: DistContext) -> dict:
+def all_reduce_alpha_beta(ctx: DistContext, sizes: tuple[int, ...], repeats: int) -> dict:
     """Notebook 04's sweep and fit of the all-reduce on all ranks, t = latency + S / algbw, given
     per ring step and as bus bandwidth: the planner's alpha and beta (2(n-1) steps; busbw =
-    algbw x 2(n-1)/n)."""
-    sizes = [4, 256 * 1024, 4 * 1024 * 1024] if smoke() else [4 * 4 ** i for i in range(0, 12, 2)]
-    latency, algbw, rows = all_reduce_fit(sizes, device=ctx.device, repeats=pick(5, 2))
+    algbw x 2(n-1)/n), on messages of `sizes` elements, each timed `repeats` times."""
+    latency, algbw, rows = all_reduce_fit(list(sizes), device=ctx.device, repeats=repeats)
     n = ctx.world_size
     return {"rows": rows, "latency_s": latency, "algbw": algbw,
             "step_latency_s": latency / (2 * (n - 1)), "busbw": algbw * 2 * (n - 1) / n, "ranks": n}
@@ -152,7 +166,7 @@ def back_to_back_calls(ctx: DistContext, sizes: dict, groups: dict) -> list[dict
     """Seconds per call of small collectives (a few KiB) issued back to back through
     torch.distributed, on each group of `groups` (`collective_groups`; the slowest rank's median):
     what notebook 04's sweep measures at its small end."""
-    rows, calls, repeats, h = [], pick(20, 5), pick(5, 2), sizes["d_model"]
+    rows, calls, repeats, h = [], sizes["back_to_back"], sizes["back_to_back_repeats"], sizes["d_model"]
     for n, group in groups.items():
         x = torch.zeros(1, 2, h, device=ctx.device)
         flat_in, flat_out = torch.zeros(2 * n * h, device=ctx.device), torch.empty(2 * h, device=ctx.device)
@@ -234,11 +248,13 @@ def measure_machine(ctx: DistContext, sizes: dict, extra_jobs: dict | None = Non
     (`call_costs`: the fixed cost of a call in a step). The steps are timed in alternating rounds
     (`timed_rounds`) together with `extra_jobs` (name -> function: e.g. the training steps the
     planner is to predict), so the planner's inputs and what it predicts see the same load.
-    `sizes`: the stack's (layers, d_model, heads, seq, batch) and timed_steps, the rounds (labs/
-    lab09_mesh.py's default_sizes). Returns (the measurements, the extra jobs' times round by round)."""
+    `sizes`: the stack's (layers, d_model, heads, seq, batch), timed_steps (the rounds) and the
+    fields of `Probe` (labs/lab09_mesh.py's Run, as a dict). Returns (the measurements, the extra
+    jobs' times round by round)."""
     s = sizes
     groups = collective_groups(ctx)
-    machine = {"all_reduce": all_reduce_alpha_beta(ctx) if ctx.world_size > 1 else None,
+    machine = {"all_reduce": all_reduce_alpha_beta(ctx, s["fit_sizes"], s["fit_repeats"])
+               if ctx.world_size > 1 else None,
                "back_to_back": back_to_back_calls(ctx, s, groups)}
     x, target = sample(s["batch"], s["seq"], s["d_model"], seed=10, device=ctx.device)
     step, machine["compute"] = compute_step(ctx, s, x, target)

@@ -1,10 +1,11 @@
 """Lab 09 (device mesh): data x tensor parallelism on a 2 x 2 mesh, with and without sequence
 parallelism, checked against one process, timed and measured for the planner.
 
-Run:  ./run.sh 09      (4 ranks: this lab declares LAB_NPROC = 4 below; alone:
-                        NPROC=4 ./run.sh labs/lab09_mesh.py)
+Run:  ./run.sh 09      (4 ranks: its run description `Run` below says ranks=4; alone:
+                        ./run.sh labs/lab09_mesh.py; --help lists its sizes)
 
-`init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))` lays the 4 ranks out as
+`init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))` (here through
+helpers.dist.device_mesh, which gives its groups DIST_TIMEOUT) lays the 4 ranks out as
 a 2 x 2 grid: rank = dp_rank * tp + tp_rank. `mesh.get_group("tp")` is the process group of this
 rank's row (the ranks that split each layer: {0, 1} and {2, 3}), `mesh.get_group("dp")` of its
 column (the replicas that average gradients: {0, 2} and {1, 3}). The course's own layers use them
@@ -33,24 +34,23 @@ from __future__ import annotations
 
 import copy
 import statistics
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from helpers import pick
+from helpers import runs
 from helpers.accounting import held_bytes
-from helpers.dist import DistContext, distributed
+from helpers.dist import DistContext, device_mesh, distributed
 from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import ddp_device_ids, divide
 from labs.lab05_tensor_parallel import max_param_diffs
-from labs.lab09_machine import LR, MOMENTUM, measure_machine
+from labs.lab09_machine import LR, MOMENTUM, PROBE_SMOKE, Probe, measure_machine
 from labs.lab09_sequence_parallel import (activation_bytes, dense_stack, local_loss, parallel_stack, sample,
                                           sequence_parallel_block, sequence_shard, sync_replicated_grads)
 
-LAB_NPROC = 4      # ./run.sh 09 launches this lab on 4 ranks (NPROC, when set, wins)
 TOLERANCE = 1e-5   # max |parameter difference| after the steps, fp32, against one process
 # name -> (dp, tp, sequence parallel): on 4 ranks, and what 2 ranks can run
 CONFIGS = {"dp4": (4, 1, False), "dp2 x tp2": (2, 2, False), "dp2 x tp2 + sp": (2, 2, True),
@@ -58,17 +58,30 @@ CONFIGS = {"dp4": (4, 1, False), "dp2 x tp2": (2, 2, False), "dp2 x tp2 + sp": (
            "dp2": (2, 1, False), "tp2": (1, 2, False), "tp2 + sp": (1, 2, True)}
 
 
-def default_sizes() -> dict:
-    """The stack and the batch (smoke mode: smaller), read when the run starts."""
-    return dict(layers=2, d_model=pick(128, 32), heads=4, seq=pick(64, 16), batch=pick(8, 4),
-                check_steps=pick(3, 2), timed_steps=pick(9, 5))
+@dataclass(frozen=True)
+class Run(runs.Run, Probe):
+    """The stack (layers blocks of d_model channels, `heads` heads) and its global batch of
+    batch x seq positions; the SGD steps checked against one process and the rounds timed; how
+    long measure_machine looks (labs/lab09_machine.py's Probe). 4 ranks (NPROC, when set, wins:
+    2 ranks run the 2-rank configurations)."""
+    ranks: int | None = 4
+    layers: int = 2
+    d_model: int = 128
+    heads: int = 4
+    seq: int = 64
+    batch: int = 8
+    check_steps: int = 3
+    timed_steps: int = 9
+    SMOKE = dict(d_model=32, seq=16, batch=4, check_steps=2, timed_steps=5, **PROBE_SMOKE)
 
 
 # ======================================================================= the mesh and its groups
 def make_mesh(ctx: DistContext, dp: int, tp: int):
     """A (dp, tp) mesh over all ranks and this rank's groups along each dimension."""
     divide(ctx.world_size, dp * tp, "the ranks over the dp x tp mesh")
-    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    # torch's init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp")), its groups
+    # timing out after DIST_TIMEOUT (helpers/dist.py)
+    mesh = device_mesh(ctx.device, dp=dp, tp=tp)
     return mesh, mesh.get_group("dp"), mesh.get_group("tp")
 
 
@@ -243,11 +256,11 @@ def lab_cluster(machine: dict, per_call: bool = True):
 
 
 # ======================================================================================== the run
-def run(ctx: DistContext, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Every configuration of CONFIGS that fits the ranks, the DTensor cross-check (4 ranks) and
     the planner's measurements (`measure_machine`), the configurations' steps timed in the same
     rounds. Configurations with tp > 1 need notebook 05's f/g backward."""
-    s = {**default_sizes(), **sizes}
+    s = cfg.values()
     batches = [sample(s["batch"], s["seq"], s["d_model"], seed=10 + i, device=ctx.device)
                for i in range(s["check_steps"])]
     reference = reference_params(s, batches, ctx.device)
@@ -273,9 +286,10 @@ def run(ctx: DistContext, **sizes) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         rows, bad = [], []
         for name, r in result["configs"].items():

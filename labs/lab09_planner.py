@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from helpers.comm_count import RING_SHARE
+from helpers.model_states import model_state_bytes
 from helpers.tensors import divide
-from labs.lab08_zero import model_state_bytes
 from labs.lab09_schedules import PLANNER_SCHEDULES, pipeline_timing
 
 GB = 1e9
@@ -254,8 +254,7 @@ def collective_seconds(kind: str, nbytes: float, group_size: int, latency_s: flo
 def p2p_seconds(nbytes: float, latency_s: float, bytes_per_s: float, call_s: float = 0.0,
                 reduce_scatter_as_all_reduce: bool = False) -> float:
     """One point-to-point message (a pipeline activation or its gradient): call_s + latency +
-    bytes / bandwidth. Takes a whole `Link` (`p2p_seconds(nbytes, *link)`); a message is no
-    reduce-scatter, so the link's last field does not apply."""
+    bytes / bandwidth. Takes a whole `Link` (`p2p_seconds(nbytes, *link)`; not its last field)."""
     return call_s + latency_s + nbytes / bytes_per_s if nbytes > 0 else 0.0
 
 

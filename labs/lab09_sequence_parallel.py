@@ -28,23 +28,24 @@ The layers reuse notebook 05's `ColumnParallelLinear` / `RowParallelLinear` (the
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import reduce_scatter_single
 from helpers.dist import DistContext, distributed
+from helpers.memory import SavedTensorBytes
 from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide, seeded
 from labs.lab05_tensor_parallel import (MLP, ColumnParallelLinear, RowParallelLinear,
                                         max_param_diffs, shard)
 from labs.lab05_tp_transformer import Attention, Block, dense_block, tensor_parallel_block
-from labs.lab07_memory import SavedTensorBytes
 
 
 # ================================================================== sequence collectives
@@ -242,14 +243,23 @@ def collectives_of_step(model: nn.Module, kind: str, x: torch.Tensor, group) -> 
     return {"forward": summarize(forward), "backward": summarize(backward)}
 
 
-def default_sizes() -> dict:
-    return dict(layers=2, batch=pick(4, 2), seq=pick(32, 8), d_model=pick(64, 32), heads=4)
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The stack (layers Transformer blocks of d_model channels, `heads` heads), its batch of
+    batch x seq positions, and the SGD steps the parallel stacks train beside the dense one."""
+    layers: int = 2
+    batch: int = 4
+    seq: int = 32
+    d_model: int = 64
+    heads: int = 4
+    steps: int = 4
+    SMOKE = dict(batch=2, seq=8, d_model=32, steps=3)
 
 
-def run(ctx: DistContext, steps: int | None = None, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """On all ranks as one tensor-parallel group: the TP and SP stacks against the dense one
     (needs notebook 05's f/g backward for TP), their activation bytes and their collectives."""
-    s = {**default_sizes(), **sizes, "steps": pick(4, 3) if steps is None else steps}
+    s = cfg.values()
     group, t = None, ctx.world_size
     x, target = sample(s["batch"], s["seq"], s["d_model"], seed=1, device=ctx.device)
     out = {"sizes": s, "tp_size": t}
@@ -264,11 +274,12 @@ def run(ctx: DistContext, steps: int | None = None, **sizes) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from labs.lab09_planner import activation_bytes_per_layer
 
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         s, t = result["sizes"], result["tp_size"]
         rows = []

@@ -34,11 +34,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labs.lab11_ring_attention as ring
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
+from helpers.memory import SavedTensorBytes
 from helpers.notice import attempt
 from helpers.show import table
-from labs.lab07_memory import SavedTensorBytes, peak_memory
+from labs.lab07_memory import peak_memory
 from labs.lab11_results import Shown
 
 MiB = 2**20
@@ -150,14 +151,25 @@ def ring_sweep(device: torch.device, seqs: list[int], batch: int, heads: int, he
     return rows
 
 
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The sequence lengths swept (every rank's ring takes each whole), the batch and the heads."""
+    seqs: tuple[int, ...] = (256, 512, 1024, 2048)
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 32
+    SMOKE = dict(seqs=(32, 64), head_dim=8)
+
+
 def default_sizes() -> dict:
-    return dict(seqs=pick([256, 512, 1024, 2048], [32, 64]), batch=1, heads=4, head_dim=pick(32, 8))
+    """The sizes of this mode's preset (Run.preset())."""
+    return Run.preset().values()
 
 
-def run(ctx: DistContext, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Rank 0: plain and fused attention on one process as the sequence grows. Every rank: its
     share of ring attention on the same sequences (or the notice that it is not written yet)."""
-    s = {**default_sizes(), **sizes}
+    s = cfg.values()
     args = (s["seqs"], s["batch"], s["heads"], s["head_dim"])
     out = {"sizes": s, "world_size": ctx.world_size}
     if ctx.rank == 0:
@@ -267,9 +279,10 @@ def ring_summary(report: dict) -> Shown:
         f"instead of s^2: N^2 = {report['world_size'] ** 2})"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         if ctx.rank != 0:
             return

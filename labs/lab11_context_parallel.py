@@ -33,6 +33,7 @@ in flight).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -40,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labs.lab11_ring_attention as ring
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, device_mesh, distributed
 from helpers.notice import attempt
 from helpers.show import table
@@ -204,14 +205,25 @@ def _ours(attention, q, k, v, dout, group) -> dict:
             "sent_bytes": {"forward": forward.sent_bytes, "backward": backward.sent_bytes}}
 
 
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """One attention layer: batch x heads of head_dim, seq_local positions per rank."""
+    batch: int = 1
+    heads: int = 4
+    seq_local: int = 64
+    head_dim: int = 32
+    SMOKE = dict(seq_local=8, head_dim=8)
+
+
 def default_sizes() -> dict:
-    return dict(batch=1, heads=4, seq_local=pick(64, 8), head_dim=pick(32, 8))
+    """The sizes of this mode's preset (Run.preset())."""
+    return Run.preset().values()
 
 
-def run(ctx: DistContext, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """torch's context_parallel on this device (the error, on the CPU), and, where the CPU kernel
     can serve as its block op, torch's ring beside ours."""
-    s = {**default_sizes(), **sizes}
+    s = cfg.values()
     out = {"sizes": s, "world_size": ctx.world_size,
            "context_parallel": try_context_parallel(ctx.device, s)}
     if ctx.device.type == "cuda" and not out["context_parallel"]["ran"]:
@@ -282,9 +294,10 @@ def rings_summary(report: dict) -> Shown:
                  rows, lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         cp = result["context_parallel"]
         if cp["ran"]:

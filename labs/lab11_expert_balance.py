@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.comm_count import count_collectives
 from helpers.dist import DistContext, device_mesh, distributed, synchronize
 from helpers.notice import attempt, solved
 from helpers.tensors import divide, seeded
-from labs.lab11_expert_check import default_sizes, rows_seen
+from labs import lab11_expert_check as check
+from labs.lab11_expert_check import rows_seen
 from labs.lab11_experts import (
     Expert, ExpertParallelMoE, expert_capacity, imbalance, make_moe, routing_plan, sample_tokens, skew_router,
 )
@@ -207,18 +208,27 @@ def ep_dp_check(device: torch.device, sizes: dict, ep_size: int, lr: float = 0.1
 
 
 # ============================================================================ the run
-def run(ctx: DistContext, **sizes) -> dict:
+@dataclass(frozen=True)
+class Run(check.Run):
+    """labs/lab11_expert_check.py's layer and batch, and the skewed router's timing: tokens per
+    rank and repeats."""
+    timing_tokens: int = 2048
+    timing_repeats: int = 5
+    SMOKE = dict(check.Run.SMOKE, timing_tokens=64, timing_repeats=3)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Everything the notebook shows of the balance, on this rank: the skew and capacity tables,
     the aux-loss training (rank 0), then, once the homework is written, the time a skewed router
     costs and every (dp, ep) layout of the ranks against one process."""
-    s = {**default_sizes(), **sizes}
+    s = {k: v for k, v in cfg.values().items() if not k.startswith("timing_")}
     n = ctx.world_size
-    timing_sizes = {**s, "tokens": pick(2048, 64)}
+    timing_sizes = {**s, "tokens": cfg.timing_tokens}
     layouts = [ep for ep in range(1, n + 1) if n % ep == 0]
     return {"sizes": s, "world_size": n,
             "skew": skew_table(s, n), "capacity": capacity_table(s, n),
             "training": aux_loss_training(s) if ctx.rank == 0 else None,
-            "timing": {str(skew): attempt(skewed_timing, ctx.device, timing_sizes, skew, pick(5, 3))
+            "timing": {str(skew): attempt(skewed_timing, ctx.device, timing_sizes, skew, cfg.timing_repeats)
                        for skew in (0.0, 4.0)},
             "ep_dp": {f"dp{n // ep} x ep{ep}": attempt(ep_dp_check, ctx.device, s, ep) for ep in layouts}}
 
@@ -384,9 +394,10 @@ def ep_dp_summary(reports: list[dict]) -> Shown:
                                                          else "MORE than rounding: a layout differs from one process")])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         reports = [None] * ctx.world_size
         dist.all_gather_object(reports, result)

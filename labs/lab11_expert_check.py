@@ -16,13 +16,14 @@ Run:  ./run.sh 11      (this file alone: ./run.sh labs/lab11_expert_check.py; 2-
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from helpers import pick
+from helpers import runs
 from helpers.comm_count import count_collectives
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt, solved
@@ -126,19 +127,32 @@ def ep_check(device: torch.device, sizes: dict, group=None, skew: float = 0.0) -
 
 
 # ============================================================================ the run
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The layer (width `hidden`, experts of width `ffn`, experts_per_rank on each rank, top_k of
+    them per token, capacity_factor None: no capacity) and each rank's batch of `tokens` tokens
+    (`shift`: how far their mean is from 0); lab 11's expert-balance lab extends it."""
+    hidden: int = 64
+    ffn: int = 128
+    experts_per_rank: int = 2
+    top_k: int = 2
+    tokens: int = 256
+    capacity_factor: float | None = None
+    shift: float = 2.0
+    SMOKE = dict(hidden=16, ffn=32, tokens=24)
+
+
 def default_sizes() -> dict:
-    """The layer and the batch of this run (smoke mode: smaller), read when the run starts; lab 11's
-    expert-balance lab uses them too."""
-    return dict(hidden=pick(64, 16), ffn=pick(128, 32), experts_per_rank=2, top_k=2, tokens=pick(256, 24),
-                capacity_factor=None, shift=2.0)
+    """The layer and the batch of this mode's preset (Run.preset())."""
+    return Run.preset().values()
 
 
-def run(ctx: DistContext, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Everything the notebook shows of the layer, on this rank: the routing plan of this run's batch
     (every rank's tokens, routed in one process), then, once the homework is written, the
     expert-parallel layer against the dense one with a balanced and a skewed router (outputs,
     gradients, bytes counted against the formula, rows per expert)."""
-    s = {**default_sizes(), **sizes}
+    s = cfg.values()
     n = ctx.world_size
     moe = make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * n, s["top_k"], s["capacity_factor"])
     xs = [sample_tokens(s["tokens"], s["hidden"], seed=100 + r, shift=s["shift"]) for r in range(n)]
@@ -277,9 +291,10 @@ def draw_routing(n: int, per: int, top_k: int, skew: float, capacity_factor: flo
                  f"{tokens * k * (n - 1) / n * 4096 * 2 / 1e6:.2f} MB each)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         reports = [None] * ctx.world_size
         dist.all_gather_object(reports, result)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import labs.lab11_ring_attention as ring
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
 from labs.lab11_results import Shown, median_and_noise
@@ -194,22 +194,38 @@ def gpu_table(flops_per_s: float, links: dict[str, float], ranks: int = 8) -> Sh
     return Shown("Ring attention on GPUs: blocks long enough to hide K/V transfers (formula, peak rates)", rows, [])
 
 
-def default_sizes() -> dict:
+@dataclass(frozen=True)
+class Run(runs.Run):
     """Blocks whose compute and transfer take comparable time on a 2-core machine with gloo (measured
     here, 2 ranks under load: the blocks about 50 ms, the 8 MiB K/V message adding about 20 ms to the
     serialized ring), so that hiding or not hiding the transfer moves the ring's time by several
-    times the noise of 40 repeats (about 3 ms)."""
-    return dict(batch=1, heads=pick(1024, 256), seq_local=16, head_dim=64)
+    times the noise of 40 repeats (about 3 ms); `repeats` of every mode, interleaved."""
+    batch: int = 1
+    heads: int = 1024
+    seq_local: int = 16
+    head_dim: int = 64
+    repeats: int = 40
+    SMOKE = dict(heads=256, repeats=5)
 
 
-def run(ctx: DistContext, repeats: int | None = None, **sizes) -> dict:
+def default_sizes() -> dict:
+    """The block's sizes in this mode's preset (Run.preset()), without the repeats."""
+    return sizes_of(Run.preset())
+
+
+def sizes_of(cfg: Run) -> dict:
+    return {k: v for k, v in cfg.values().items() if k != "repeats"}
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """This rank's seconds for every mode (`measure`)."""
-    return measure(ctx.device, {**default_sizes(), **sizes}, pick(40, 5) if repeats is None else repeats)
+    return measure(ctx.device, sizes_of(cfg), cfg.repeats)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         reports = [None] * ctx.world_size
         dist.all_gather_object(reports, result)

@@ -6,7 +6,7 @@ Run:  ./run.sh labs/lab11_rankings.py      (pure arithmetic: rank 0 prints the t
 """
 from __future__ import annotations
 
-from labs.lab08_zero import model_state_bytes
+from helpers.model_states import model_state_bytes
 from labs.lab09_planner import GB, ClusterSpec, ModelSpec
 from labs.lab09_schedules import pipeline_timing
 from labs.lab11_planner import (

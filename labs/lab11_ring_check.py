@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labs.lab11_ring_attention as ring
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
 from labs.lab11_results import Shown
@@ -77,20 +77,38 @@ def _sdpa_bf16_error(q, k, v, causal: bool, rank: int, n: int, layout: str) -> d
             for name in QUANTITIES}
 
 
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The float64 check's layer (batch x heads of head_dim, seq_local positions per rank) and the
+    bfloat16 check's sequences (torch's test's sizes: 8 heads of 32, 64 positions per rank)."""
+    batch: int = 2
+    heads: int = 4
+    seq_local: int = 256
+    head_dim: int = 32
+    bf16_batch: int = 8
+    SMOKE = dict(seq_local=16, head_dim=8, bf16_batch=2)
+
+    def sizes(self) -> dict:
+        return dict(batch=self.batch, heads=self.heads, seq_local=self.seq_local, head_dim=self.head_dim)
+
+    def bf16_sizes(self) -> dict:
+        return dict(batch=self.bf16_batch, heads=8, seq_local=64, head_dim=32)
+
+
 def default_sizes() -> dict:
-    return dict(batch=2, heads=4, seq_local=pick(256, 16), head_dim=pick(32, 8))
+    """The float64 check's sizes in this mode's preset (Run.preset())."""
+    return Run.preset().sizes()
 
 
 def bf16_sizes() -> dict:
-    """torch's test's sizes: 8 sequences, 8 heads of 32, 64 positions per rank."""
-    return dict(batch=pick(8, 2), heads=8, seq_local=64, head_dim=32)
+    """torch's test's sizes: 8 sequences (this mode's preset), 8 heads of 32, 64 positions per rank."""
+    return Run.preset().bf16_sizes()
 
 
-def run(ctx: DistContext, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """ring_attention against one process's SDPA on every rank (or the notice that it is not
     written yet), with the blocks each rank computed and its timeline; then both rings in bf16."""
-    s = {**default_sizes(), **sizes}
-    b = bf16_sizes()
+    s, b = cfg.sizes(), cfg.bf16_sizes()
     return {"sizes": s, "world_size": ctx.world_size, "check": attempt(ring_check, ctx.device, s),
             "bf16_sizes": b,
             "bf16": {"ring_attention": attempt(bf16_check, ctx.device, b, ring.ring_attention),
@@ -212,9 +230,10 @@ def merge_demo(keys: int = 64, blocks: int = 4, logit_scale: float = 50.0) -> Sh
         f"(float32's resolution at a score of {largest:.0f}: {f32.eps * largest:.1e})"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         reports = [None] * ctx.world_size
         dist.all_gather_object(reports, result)

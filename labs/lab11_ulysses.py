@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labs.lab11_ring_attention as ring
-from helpers import pick
+from helpers import runs
 from helpers.comm_count import count_p2p
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
@@ -152,14 +152,25 @@ def measure_bytes(device: torch.device, sizes: dict, kind: str, group=None) -> d
     return {"counted": counted, "formula": bytes_per_rank(kind, n, b, a, s, d, mine[0].element_size())}
 
 
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """One attention layer: batch x heads of head_dim, seq_local positions per rank."""
+    batch: int = 1
+    heads: int = 4
+    seq_local: int = 64
+    head_dim: int = 32
+    SMOKE = dict(seq_local=8, head_dim=8)
+
+
 def default_sizes() -> dict:
-    return dict(batch=1, heads=4, seq_local=pick(64, 8), head_dim=pick(32, 8))
+    """The sizes of this mode's preset (Run.preset())."""
+    return Run.preset().values()
 
 
-def run(ctx: DistContext, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Ulysses against SDPA (float64, causal and not) and the bytes both designs send, counted and
     by formula (the ring part needs the homework)."""
-    s = {**default_sizes(), **sizes}
+    s = cfg.values()
     n = ctx.world_size
     if s["heads"] % n:
         return {"sizes": s, "world_size": n,
@@ -224,9 +235,10 @@ def crossover(rows: list[dict]) -> Crossover:
                      [r["Ulysses possible"] for r in rows])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         if "skipped" in result:
             ctx.print0(result["skipped"])

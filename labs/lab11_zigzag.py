@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import labs.lab11_ring_attention as ring
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
 from helpers.tensors import divide
@@ -143,15 +143,28 @@ def measure_balance(device: torch.device, sizes: dict, layout: str, repeats: int
     return {"work": work, "compute_s": compute, "wall_s": wall}
 
 
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """One causal attention layer (batch x heads of head_dim, seq_local positions per rank) whose
+    blocks each layout computes, timed `repeats` times."""
+    batch: int = 1
+    heads: int = 4
+    seq_local: int = 1024
+    head_dim: int = 64
+    repeats: int = 5
+    SMOKE = dict(seq_local=32, head_dim=8, repeats=3)
+
+
 def default_sizes() -> dict:
-    return dict(batch=1, heads=4, seq_local=pick(1024, 32), head_dim=pick(64, 8))
+    """The layer's sizes in this mode's preset (Run.preset()), without the repeats."""
+    return {k: v for k, v in Run.preset().values().items() if k != "repeats"}
 
 
-def run(ctx: DistContext, repeats: int | None = None, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """The schedules on paper, the zig-zag ring against SDPA (float64) and both layouts' work and
     compute time measured per rank (every rank reports its own)."""
-    s = {**default_sizes(), **sizes}
-    repeats = pick(5, 3) if repeats is None else repeats
+    s = {k: v for k, v in cfg.values().items() if k != "repeats"}
+    repeats = cfg.repeats
     n = ctx.world_size
     schedules = {layout: ring_schedule(n, layout) for layout in ring.LAYOUTS}
     check_sizes = dict(batch=2, heads=2, seq_local=8, head_dim=4)
@@ -269,9 +282,10 @@ def draw_schedule(n: int, layout: str, causal: bool):
                  f"balanced split; the other layout's busiest rank computes {max(other)} tiles")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         reports = [None] * ctx.world_size
         dist.all_gather_object(reports, result)

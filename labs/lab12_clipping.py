@@ -1,7 +1,7 @@
 """Lab 12 (clipping over DTensors): the global gradient norm against the norm a rank can compute
 from what it holds, and what clipping with the latter does to training.
 
-Run:  ./run.sh 12      (8 ranks, a 2 x 2 x 2 mesh; alone: NPROC=8 ./run.sh labs/lab12_clipping.py)
+Run:  ./run.sh 12      (8 ranks, a 2 x 2 x 2 mesh; alone: ./run.sh labs/lab12_clipping.py)
 
 `torch.nn.utils.clip_grad_norm_` on one process scales every gradient by min(1, max_norm / n),
 n the 2-norm of the whole model's gradient. On a (pp, dp, tp) mesh no rank holds that gradient:
@@ -23,16 +23,16 @@ would hide most of it: AdamW's first update is about lr * sign(g), whatever the 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from helpers import pick
 from helpers.dist import DistContext, distributed
-from labs.lab12_model import LMConfig, batch_at, corpus, default_config, split, train_reference
+from labs.lab12_model import LMRun, batch_at, corpus, split, train_reference
 from labs.lab12_parallelize import clip_grad_norm_, mesh_shape
 from labs.lab12_train import Trainer
 
-LAB_NPROC = 8
 OWN = "this rank's norm"      # the clipping that uses what a rank holds
 
 
@@ -89,13 +89,21 @@ def clipped_with_own_norm(trainer: Trainer, data: torch.Tensor, step: int) -> fl
     return trainer.global_loss(loss)
 
 
-def run(ctx: DistContext, *, config: LMConfig | None = None, shape=None, steps: int | None = None) -> dict:
+@dataclass(frozen=True)
+class Run(LMRun):
+    """The model and the ranks (LMRun); `steps` steps clipped each way; `mesh` pp,dp,tp (empty:
+    mesh_shape of the ranks)."""
+    steps: int = 5
+    mesh: tuple[int, ...] = ()
+    SMOKE = dict(LMRun.SMOKE, steps=3)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Norms of step 0's gradients on this rank; then `steps` steps clipped with the global norm
     and `steps` clipped with each rank's own norm, both against one process: losses, parameters,
     and the spread of the tp copies of replicated parameters."""
-    config = config or default_config()
-    shape = tuple(shape or mesh_shape(ctx.world_size))
-    steps = steps or pick(5, 3)
+    config, steps = cfg.config(), cfg.steps
+    shape = tuple(cfg.mesh) or mesh_shape(ctx.world_size)
     data, _ = split(corpus())
     reference = train_reference(config, steps, data, device=ctx.device)
     reference_params = {n: p.detach().float().cpu() for n, p in reference["model"].named_parameters()}
@@ -126,12 +134,13 @@ def run(ctx: DistContext, *, config: LMConfig | None = None, shape=None, steps: 
             "true_coefficient": coefficient(reference["grad_norms"][0], config.max_norm), "runs": result}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from helpers.notice import attempt
     from helpers.show import table
 
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = attempt(run, ctx)
+        out = attempt(run, ctx, cfg)
         ctx.report(clipping=out)
         if "unsolved" in out:
             return

@@ -1,7 +1,7 @@
 """Lab 12 (memory during a step): what a rank of the composed run holds while a step runs, not
 only after it, and what FSDP2's `reshard_after_forward` changes under pipelining.
 
-Run:  ./run.sh 12      (this lab's `run` in the notebook's launch; alone: NPROC=4 ./run.sh labs/lab12_memory.py)
+Run:  ./run.sh 12      (this lab's `run` in the notebook's launch; alone: ./run.sh labs/lab12_memory.py)
 
 Notebook 08's FSDP gathers a unit's parameters before the unit runs and frees them after: with one
 unit per block, a block or two is whole at a time. A pipeline changes that. torch's
@@ -22,77 +22,18 @@ pipeline, each setting of `reshard_after_forward`, and without a pipeline beside
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn as nn
 
 from helpers.dist import DistContext, distributed
+# FSDP2's units, watched (the instruments the graded tests use too); fsdp_units and whole_units
+# are read here by whoever imported them from this lab before they moved
+from helpers.fsdp_units import UnitWatch, fsdp_units, gathered_bytes, reshard_after_forward, whole_units  # noqa: F401
 from helpers.memory import peak_allocated
 from helpers.traffic import TrafficMeter
+from labs.lab12_model import LMRun
 from labs.lab12_train import Trainer
-
-LAB_NPROC = 4
-
-
-# ============================================================================ FSDP units, watched
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The FSDP2 units of `model` (modules `fully_shard` was applied to), outermost first."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _param_groups(unit) -> list:
-    return list(unit._get_fsdp_state()._fsdp_param_groups)
-
-
-def whole_units(model: nn.Module) -> int:
-    """How many of `model`'s FSDP units hold their parameters gathered (unsharded) now."""
-    return sum(any(g.is_unsharded for g in _param_groups(u)) for u in fsdp_units(model))
-
-
-class UnitWatch:
-    """While active: the most FSDP units of `model` whole at once, sampled before every unit's
-    forward (each micro-batch's) and before its backward (`most_whole`), out of `units`."""
-
-    def __init__(self, model: nn.Module):
-        self.model, self.units, self.most_whole, self.handles = model, fsdp_units(model), 0, []
-
-    def _sample(self, *_):
-        self.most_whole = max(self.most_whole, whole_units(self.model))
-
-    def __enter__(self):
-        for unit in self.units:
-            self.handles += [unit.register_forward_pre_hook(self._sample),
-                             unit.register_full_backward_pre_hook(self._sample)]
-        return self
-
-    def __exit__(self, *exc):
-        self._sample()
-        for handle in self.handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def reshard_after_forward(model: nn.Module, value: bool | None):
-    """FSDP2's `reshard_after_forward` set to `value` on every unit of `model` for the block, and
-    put back as `parallelize` left it after (None: left as it is)."""
-    if value is None:
-        yield
-        return
-    states = [u._get_fsdp_state() for u in fsdp_units(model)]
-    saved = [(s, s._auto_reshard_after_forward, [(g, g.post_forward_mesh_info) for g in s._fsdp_param_groups])
-             for s in states]
-    model.set_reshard_after_forward(value)
-    try:
-        yield
-    finally:
-        for state, auto, groups in saved:
-            state._auto_reshard_after_forward = auto
-            for group, info in groups:
-                group.post_forward_mesh_info = info
 
 
 # ============================================================================== one step, measured
@@ -111,21 +52,6 @@ class StepMemory:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def gathered_bytes(unit: nn.Module) -> int:
-    """Bytes of a unit's own parameters once gathered over dp: each parameter's local shard times
-    the dp ranks it is split over (its mesh's "dp" dimension), its child units' left out."""
-    children = {id(p) for u in fsdp_units(unit)[1:] for p in u.parameters()}
-    total = 0
-    for p in unit.parameters():
-        if id(p) in children:
-            continue
-        local = p.to_local() if hasattr(p, "to_local") else p
-        names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
-        dp = p.device_mesh.size(names.index("dp")) if "dp" in names else 1
-        total += local.nbytes * dp
-    return total
 
 
 def measure_step(trainer, x: torch.Tensor, y: torch.Tensor, reshard: bool | None = None) -> StepMemory:
@@ -199,14 +125,21 @@ def study_shapes(world_size: int) -> dict[str, tuple[int, int, int]]:
     return {"pipelined": (2, dp_tp // tp, tp), "no pipeline": (1, world_size // tp, tp)}
 
 
-def run(ctx: DistContext, *, config=None, steps: int = 1) -> dict:
+@dataclass(frozen=True)
+class Run(LMRun):
+    """The model (LMRun) on 4 ranks: the study needs dp > 1 beside a pipeline (NPROC wins; on
+    fewer than 4 ranks there is nothing to study)."""
+    ranks: int | None = 4
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Each rank's StepMemory with a pipeline (FSDP2's default and reshard_after_forward=False)
     and without one (the default), after a warm-up step each; {} on fewer than 4 ranks. Needs
     `parallelize` (a notice while it is a stub)."""
     from helpers.notice import attempt
-    from labs.lab12_model import batch_at, corpus, default_config, split
+    from labs.lab12_model import batch_at, corpus, split
 
-    config = config or default_config()
+    config = cfg.config()
     data = split(corpus())[0]
     x, y = batch_at(data, 0, config.batch, config.seq)
 
@@ -222,11 +155,12 @@ def run(ctx: DistContext, *, config=None, steps: int = 1) -> dict:
     return {name: attempt(study, shape) for name, shape in study_shapes(ctx.world_size).items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from helpers.notice import notice_if_unsolved, solved
 
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = run(ctx)
+        out = run(ctx, cfg)
         ctx.report(memory=out)
         if ctx.rank != 0 or not out:
             return

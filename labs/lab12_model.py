@@ -28,15 +28,14 @@ import math
 import os
 import sysconfig
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 
-LAB_NPROC = 1     # ./run.sh 12 runs this file on one rank: it is the one-process reference
 # Wrappers that put a prefix into parameter names (activation checkpointing; FSDP1) and what
 # `init_weights` strips to find the model's own name. FSDP2 (`fully_shard`) keeps the names.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -63,9 +62,33 @@ class LMConfig:
         return asdict(self)
 
 
+MODEL_SMOKE = dict(dim=32, heads=4, layers=4, ffn=64, seq=32, batch=8)   # smoke mode's model
+
+
+@dataclass(frozen=True)
+class LMRun(runs.Run, LMConfig):
+    """The base of lab 12's run descriptions: the model and its batch (LMConfig's fields; smoke
+    mode: a smaller model) and the ranks: 8, a 2 x 2 x 2 (pp, dp, tp) mesh (smoke: 4, pp 2 x tp 2;
+    NPROC, when set, wins)."""
+    ranks: int | None = 8
+    SMOKE = dict(MODEL_SMOKE, ranks=4)
+
+    def config(self) -> LMConfig:
+        """The model and its batch of this run."""
+        return LMConfig(**{f.name: getattr(self, f.name) for f in fields(LMConfig)})
+
+
+@dataclass(frozen=True)
+class Run(LMRun):
+    """The one-process reference (this file alone: one rank): `steps` AdamW steps."""
+    ranks: int | None = 1
+    steps: int = 200
+    SMOKE = dict(MODEL_SMOKE, steps=10)
+
+
 def default_config() -> LMConfig:
-    """The lab's model (smoke mode: a smaller one)."""
-    return pick(LMConfig(), LMConfig(dim=32, heads=4, layers=4, ffn=64, seq=32, batch=8))
+    """The lab's model in this mode's preset (smoke mode: a smaller one)."""
+    return Run.preset().config()
 
 
 # ========================================================================================= model
@@ -294,12 +317,12 @@ def generate(model: nn.Module, prompt: str, new_bytes: int, config: LMConfig, te
     return bytes(tokens).decode("utf-8", errors="replace")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from helpers.dist import distributed
     from helpers.show import table
 
-    config = default_config()
-    steps = pick(200, 10)
+    cfg = Run.from_argv(argv)
+    config, steps = cfg.config(), cfg.steps
     with distributed() as ctx:
         if ctx.rank != 0:     # one process is the point: the other ranks wait
             return

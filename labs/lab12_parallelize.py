@@ -1,7 +1,7 @@
 """Lab 12 (the composition): tensor + sequence parallelism, activation checkpointing and FSDP2 on
 one device mesh, in torchtitan's order, and gradient clipping to the global norm.
 
-Run:  ./run.sh 12      (this file alone: NPROC=8 ./run.sh labs/lab12_parallelize.py; it builds
+Run:  ./run.sh 12      (this file alone: ./run.sh labs/lab12_parallelize.py; it builds
                         the model on the meta device, parallelises it on a 2 x 2 x 2 (pp, dp, tp)
                         mesh and shows what each rank holds, before any training)
 
@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from helpers.tensors import divide
-from labs.lab12_model import ByteLM, LMConfig, build_model
+from labs.lab12_model import ByteLM, LMConfig, LMRun, build_model
 
-LAB_NPROC = 8      # ./run.sh 12 launches this file on 8 ranks, a 2 x 2 x 2 mesh (NPROC wins)
 MESH_DIMS = ("pp", "dp", "tp")
 # DTensor logs a warning on every rank each time a redistribution over the 2-D (dp, tp) mesh takes
 # one collective per dimension (the global norm: two all-reduces; a full_tensor(): two
@@ -56,24 +56,13 @@ def mesh_shape(world_size: int) -> tuple[int, int, int]:
 
 
 def make_mesh(shape: tuple[int, int, int], device_type: str = "cpu") -> DeviceMesh:
-    """The (pp, dp, tp) mesh over every rank of the default group. Its groups wait as long as the
-    default group (DIST_TIMEOUT, helpers/dist.py) before a collective or a message gives up:
-    `init_device_mesh` creates them with torch's default (30 minutes on gloo, read from
-    `distributed_c10d.default_pg_timeout` when each group is made), so a rank whose peer failed
-    would hang that long. The default is replaced while the mesh is made."""
-    import datetime
-    from unittest import mock
+    """The (pp, dp, tp) mesh over every rank of the default group: torch's
+    `init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)` through helpers.dist.device_mesh,
+    whose groups wait as long as the default group (DIST_TIMEOUT) before a collective or a message
+    gives up (torch's default would be 30 minutes on gloo)."""
+    from helpers.dist import device_mesh
 
-    from helpers.dist import timeout_seconds
-
-    if shape[0] * shape[1] * shape[2] != dist.get_world_size():
-        raise ValueError(f"a {' x '.join(map(str, shape))} (pp, dp, tp) mesh needs "
-                         f"{shape[0] * shape[1] * shape[2]} ranks, there are {dist.get_world_size()}")
-    timeout = datetime.timedelta(seconds=timeout_seconds())
-    c10d = dist.distributed_c10d
-    with mock.patch.object(c10d, "default_pg_timeout", timeout), \
-            mock.patch.object(c10d, "default_pg_nccl_timeout", timeout):
-        return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    return device_mesh(device_type, **dict(zip(MESH_DIMS, shape)))
 
 
 def pipeline_stage(model: ByteLM, stage: int, num_stages: int) -> ByteLM:
@@ -298,25 +287,31 @@ def what_composes(ctx, shape: tuple[int, int, int]) -> dict:
     return out
 
 
-def run(ctx) -> dict:
+@dataclass(frozen=True)
+class Run(LMRun):
+    """The model (LMConfig's fields) and the ranks (labs/lab12_model.py's LMRun); the mesh is
+    mesh_shape(the ranks)."""
+
+
+def run(ctx, cfg: Run) -> dict:
     """This lab's run on the default mesh of the world size: what this rank holds ("layout";
     {"unsolved": ...} while `parallelize` is a stub) and the composition probes ("composes")."""
     from helpers.notice import attempt
-    from labs.lab12_model import default_config
 
     shape = mesh_shape(ctx.world_size)
-    return {"shape": list(shape), "layout": attempt(layout_demo, ctx, shape, default_config()),
+    return {"shape": list(shape), "layout": attempt(layout_demo, ctx, shape, cfg.config()),
             "composes": what_composes(ctx, shape)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from helpers.dist import distributed
     from helpers.show import table
-    from labs.lab12_model import default_config, parameter_count
+    from labs.lab12_model import parameter_count
 
-    config = default_config()
+    cfg = Run.from_argv(argv)
+    config = cfg.config()
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         shape, out, probes = result["shape"], result["layout"], result["composes"]
         if ctx.rank == 0:

@@ -1,7 +1,7 @@
 """Lab 12 (the planner against the run): notebook 09's planner predicts this lab's composed step,
 and the step is timed beside the planner's inputs, under the same load.
 
-Run:  ./run.sh 12      (8 ranks, a 2 x 2 x 2 mesh; alone: NPROC=8 ./run.sh labs/lab12_plan.py)
+Run:  ./run.sh 12      (8 ranks, a 2 x 2 x 2 mesh; alone: ./run.sh labs/lab12_plan.py)
 
 The planner (labs/lab09_planner.py) needs a model, a configuration and a cluster. The model and
 the configuration are lab 12's (`lab12_model`, `lab12_config` below: fp32, AdamW, FSDP2 over dp
@@ -30,26 +30,42 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import pick
 from helpers.dist import DistContext, distributed
 from helpers.traffic import TrafficMeter
-from labs.lab12_model import LMConfig, batch_at, corpus, default_config, split
+from labs.lab09_machine import PROBE_SMOKE, Probe
+from labs.lab12_model import LMConfig, LMRun, batch_at, corpus, split
 from labs.lab12_parallelize import mesh_shape
 from labs.lab12_train import Trainer
 
-LAB_NPROC = 8
 STEP_JOB = "lab 12 step"      # the composed step's name among measure_machine's jobs
 
 
-def stack_sizes(config: LMConfig, rounds: int | None = None) -> dict:
-    """Lab 09's dense stack (measure_machine's calibration step) at lab 12's sizes."""
-    return dict(layers=config.layers, d_model=config.dim, heads=config.heads, seq=config.seq,
-                batch=config.batch, timed_steps=rounds if rounds is not None else pick(9, 4))
+@dataclass(frozen=True)
+class Run(LMRun, Probe):
+    """The model and the ranks (LMRun); the rounds of measure_machine (the composed step timed in
+    them) and how long it looks (labs/lab09_machine.py's Probe); DTensor's dispatch cost (calls
+    per sample, samples) and the CPU seconds of the composed and the dense step (repeats)."""
+    rounds: int = 9
+    dispatch_repeats: int = 400
+    dispatch_samples: int = 5
+    cpu_composed_repeats: int = 3
+    cpu_dense_repeats: int = 5
+    SMOKE = dict(LMRun.SMOKE, rounds=4, dispatch_repeats=100, dispatch_samples=3, cpu_composed_repeats=2,
+                 cpu_dense_repeats=3, **PROBE_SMOKE)
+
+
+def stack_sizes(config: LMConfig, rounds: int | None = None, cfg: Run | None = None) -> dict:
+    """Lab 09's dense stack (measure_machine's calibration step) at lab 12's sizes, timed in
+    `rounds` rounds (None: cfg's), with cfg's Probe fields (cfg None: this mode's preset)."""
+    cfg = cfg or Run.preset()
+    return dict(layers=config.layers, d_model=config.dim, heads=config.heads, seq=config.seq, batch=config.batch,
+                timed_steps=cfg.rounds if rounds is None else rounds,
+                **{f.name: getattr(cfg, f.name) for f in fields(Probe)})
 
 
 def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[str]:
@@ -128,20 +144,21 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def dispatch_cost(ctx: DistContext, mesh, repeats: int | None = None) -> dict:
+def dispatch_cost(ctx: DistContext, mesh, repeats: int | None = None, samples: int | None = None) -> dict:
     """CPU seconds (this thread's) per call of one small elementwise multiplication, (1, 16, 64)
     float32, on plain tensors and on DTensors split over mesh["tp"] (Shard(1): no communication),
     every rank at once: what DTensor's dispatch adds to an operator, in the units of `cpu_seconds`."""
     from torch.distributed.tensor import DTensor, Shard
 
-    repeats = repeats or pick(400, 100)
+    repeats = repeats or Run.preset().dispatch_repeats
+    samples_taken = samples or Run.preset().dispatch_samples
     a, b = (torch.randn(1, 16, 64, device=ctx.device) for _ in range(2))
     da, db = (DTensor.from_local(t, mesh["tp"], [Shard(1)], run_check=False) for t in (a, b))
     out = {}
     for name, (x, y) in {"plain": (a, b), "DTensor": (da, db)}.items():
         x * y                                     # warm-up (DTensor caches its sharding decision)
         samples = []
-        for _ in range(pick(5, 3)):
+        for _ in range(samples_taken):
             ctx.barrier()
             start = time.thread_time()
             for _ in range(repeats):
@@ -245,7 +262,7 @@ def plan_lab12(config, shape, microbatches: int, cluster, activation_checkpointi
     (plan_memory, plan_step_time)."""
     from dataclasses import asdict
 
-    from labs.lab08_zero import model_state_bytes
+    from helpers.model_states import model_state_bytes
     from labs.lab09_planner import activation_bytes_per_layer, plan_memory, plan_step_time
 
     model, parallel = lab12_model(config), lab12_config(shape, microbatches, activation_checkpointing)
@@ -293,7 +310,8 @@ class StepMeasurement:
     cpu: dict                   # cpu_seconds of "composed step" and "dense step"
 
 
-def measure_step(ctx: DistContext, config: LMConfig, shape, rounds: int | None) -> tuple[dict, dict]:
+def measure_step(ctx: DistContext, config: LMConfig, shape, rounds: int | None,
+                 cfg: Run | None = None) -> tuple[dict, dict]:
     """The composed step, warmed up, its calls counted, then timed in measure_machine's rounds."""
     from labs.lab09_machine import compute_step, measure_machine
     from labs.lab09_sequence_parallel import sample
@@ -305,12 +323,14 @@ def measure_step(ctx: DistContext, config: LMConfig, shape, rounds: int | None) 
     traffic, ops = TrafficMeter(trainer.mesh), OpCount()
     with traffic, ops:
         step()
-    sizes = stack_sizes(config, rounds)
+    cfg = cfg or Run.preset()
+    sizes = stack_sizes(config, rounds, cfg)
     machine, samples = measure_machine(ctx, sizes, {STEP_JOB: step})
     seconds = samples[STEP_JOB]
     x, target = sample(config.batch, config.seq, config.dim, seed=10, device=ctx.device)
     dense = compute_step(ctx, sizes, x, target)[0]    # the planner's calibration step
-    cpu = {"composed step": cpu_seconds(ctx, step, pick(3, 2)), "dense step": cpu_seconds(ctx, dense, pick(5, 3))}
+    cpu = {"composed step": cpu_seconds(ctx, step, cfg.cpu_composed_repeats),
+           "dense step": cpu_seconds(ctx, dense, cfg.cpu_dense_repeats)}
     dense_ops = OpCount()
     with dense_ops:
         dense()
@@ -318,20 +338,20 @@ def measure_step(ctx: DistContext, config: LMConfig, shape, rounds: int | None) 
         microbatches=trainer.microbatches, step_seconds=seconds, step_s=statistics.median(seconds),
         traffic=traffic.summary(), calls=measured_calls(traffic.summary()),
         planner_calls=planner_calls(shape, trainer.microbatches, config.layers), ops=ops.ops,
-        dtensor_ops=ops.dtensor_ops, dense_ops=dense_ops.ops, dispatch_s=dispatch_cost(ctx, trainer.mesh), cpu=cpu))
+        dtensor_ops=ops.dtensor_ops, dense_ops=dense_ops.ops, dispatch_s=dispatch_cost(ctx, trainer.mesh, cfg.dispatch_repeats, cfg.dispatch_samples), cpu=cpu))
 
 
-def run(ctx: DistContext, *, config: LMConfig | None = None, shape=None, rounds: int | None = None) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """The planner's inputs ("machine", lab_cluster reads it) and the composed step ("step": its
     round-by-round times, median, calls). While `parallelize` is a stub, "step" is its
     {"unsolved": ...} record and nothing is measured: the machine's numbers only serve the
     comparison with the step."""
     from helpers.notice import attempt
 
-    config = config or default_config()
-    shape = tuple(shape or mesh_shape(ctx.world_size))
-    out = {"shape": list(shape), "config": config.as_dict(), "sizes": stack_sizes(config, rounds)}
-    result = attempt(measure_step, ctx, config, shape, rounds)
+    config, rounds = cfg.config(), cfg.rounds
+    shape = tuple(mesh_shape(ctx.world_size))
+    out = {"shape": list(shape), "config": config.as_dict(), "sizes": stack_sizes(config, rounds, cfg)}
+    result = attempt(measure_step, ctx, config, shape, rounds, cfg)
     if isinstance(result, dict):              # the exercise is a stub
         out["step"] = result
     else:
@@ -348,12 +368,13 @@ def prediction(out: dict) -> dict:
     return plan_lab12(config, tuple(out["shape"]), out["step"]["microbatches"], lab_cluster(out["machine"]))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from helpers.notice import notice_if_unsolved, solved
     from helpers.show import table
 
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = run(ctx)
+        out = run(ctx, cfg)
         ctx.report(plan=out)
         if ctx.rank != 0:
             return

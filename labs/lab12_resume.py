@@ -1,7 +1,7 @@
 """Lab 12 (resuming): a rank killed mid-run and the group restarted by torchrun, training resumed
 from the last sharded checkpoint, and that checkpoint reloaded on another layout.
 
-Run:  ./run.sh 12      (8 ranks, no failure; alone: NPROC=8 ./run.sh labs/lab12_resume.py)
+Run:  ./run.sh 12      (8 ranks, no failure; alone: ./run.sh labs/lab12_resume.py --help)
 With a failure: rank 1 sends itself SIGKILL before step 5 of the first attempt, torchrun
 (`--max-restarts=1`) starts every rank again, and they resume from the last checkpoint:
 
@@ -17,20 +17,18 @@ With a failure: rank 1 sends itself SIGKILL before step 5 of the first attempt, 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
-from helpers import pick
 from helpers.dist import DistContext, distributed
+from helpers.runs import LOSS_RTOL
 from labs.lab12_checkpoint import checkpoint_report, latest, load, one_process_state, save
-from labs.lab12_model import LMConfig, corpus, default_config, split, train_reference
+from labs.lab12_model import LMConfig, LMRun, corpus, default_config, split, train_reference
 from labs.lab12_parallelize import mesh_shape
-from labs.lab12_train import LOSS_RTOL, Trainer
-
-LAB_NPROC = 8
+from labs.lab12_train import Trainer
 
 
 # ============================================================================= a run that dies
@@ -93,18 +91,22 @@ def default_layouts(world_size: int) -> list[tuple[int, int, int]]:
     return {8: [(1, 4, 2)], 4: [(1, 2, 2)], 2: [(1, 2, 1)], 1: []}.get(world_size, [(1, world_size // 2, 2)])
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=pick(12, 6))
-    parser.add_argument("--ckpt-every", type=int, default=pick(4, 2))
-    parser.add_argument("--kill-rank", type=int, default=-1, help="rank that SIGKILLs itself")
-    parser.add_argument("--kill-at-step", type=int, default=-1, help="...before this step, first attempt")
-    parser.add_argument("--ckpt-dir", default="", help="default: runs/lab12/checkpoints (emptied first)")
-    parser.add_argument("--layouts", default="", help="pp,dp,tp;pp,dp,tp... to reload into")
-    return parser.parse_args(argv)
+@dataclass(frozen=True)
+class Run(LMRun):
+    """The model and the ranks (LMRun; smoke mode: 2 ranks); `steps` steps with a checkpoint every
+    `ckpt_every`; the rank that SIGKILLs itself (-1: none) before step kill_at_step of the first
+    attempt; the checkpoints' folder (empty: runs/lab12/checkpoints, emptied first) and the
+    layouts to reload into ("pp,dp,tp;pp,dp,tp"; empty: default_layouts)."""
+    steps: int = 12
+    ckpt_every: int = 4
+    kill_rank: int = -1
+    kill_at_step: int = -1
+    ckpt_dir: str = ""
+    layouts: str = ""
+    SMOKE = dict(LMRun.SMOKE, ranks=2, steps=6, ckpt_every=2)
 
 
-def lab(ctx: DistContext, args: argparse.Namespace, root: Path, config: LMConfig | None = None) -> dict:
+def lab(ctx: DistContext, args: Run, root: Path, config: LMConfig | None = None) -> dict:
     """Train (dying and resuming if asked), then reload the checkpoint on other layouts; rank 0
     adds the uninterrupted run (one process). `config`: the model (default_config())."""
     config = config or default_config()
@@ -132,14 +134,14 @@ def main(argv=None) -> None:
     from helpers.notice import attempt
     from helpers.show import table
 
-    args = parse_args(argv)
+    args = Run.from_argv(argv)
     root = Path(args.ckpt_dir) if args.ckpt_dir else Path(__file__).resolve().parent.parent / "runs" / "lab12" / "checkpoints"
     with distributed() as ctx:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and ctx.rank == 0 \
                 and not args.ckpt_dir and root.exists():
             shutil.rmtree(root)    # our own folder: a fresh run starts from nothing
         ctx.barrier()
-        report = attempt(lab, ctx, args, root)
+        report = attempt(lab, ctx, args, root, args.config())
         ctx.report(checkpoint=report)
         if "unsolved" in report:
             return

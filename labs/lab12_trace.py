@@ -2,7 +2,7 @@
 into a timeline of compute, each mesh dimension's collectives and the pipeline's idle time; tokens
 per second and model FLOPs utilisation against this machine's measured matmul rate.
 
-Run:  ./run.sh 12      (8 ranks; alone: NPROC=8 ./run.sh labs/lab12_trace.py). The traces are
+Run:  ./run.sh 12      (8 ranks; alone: ./run.sh labs/lab12_trace.py). The traces are
                         written to runs/lab12/trace/rank<r>.json: open one in https://ui.perfetto.dev
                         or chrome://tracing)
 
@@ -25,25 +25,23 @@ MFU against a peak would.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from helpers import pick
 from helpers.dist import DistContext, distributed
 from helpers.memory import quiet_stderr
 from helpers.traffic import TrafficMeter
-from labs.lab12_model import LMConfig, corpus, default_config, model_flops_per_token, split
+from labs.lab12_model import LMRun, corpus, model_flops_per_token, split
 from labs.lab12_parallelize import mesh_shape
 from labs.lab12_train import Trainer
 
-LAB_NPROC = 8
 TRACE_DIR = Path(__file__).resolve().parent.parent / "runs" / "lab12" / "trace"
 # FSDP2's own labels for its communication on the dp dimension
 FSDP_COMM = ("FSDP::all_gather", "FSDP::all_gather_copy_out", "FSDP::post_backward_reduce")
@@ -203,11 +201,25 @@ def matmul_peak(ctx: DistContext, n: int = 512, window_s: float = 0.5) -> dict:
     return {"n": n, "rank_flops_per_s": mine.item(), "sum_flops_per_s": total.item()}
 
 
-def run(ctx: DistContext, *, config: LMConfig | None = None, shape=None, warmup: int = 2,
-        timed: int = 3, profiled: int = 1, trace_dir: Path = TRACE_DIR, peak_window_s: float = 0.5) -> dict:
+@dataclass(frozen=True)
+class Run(LMRun):
+    """The model and the ranks (LMRun); `warmup` steps, `timed` steps timed (tokens/s, MFU),
+    `profiled` more profiled (the trace in `trace_dir`, empty: runs/lab12/trace); the matmul
+    peak measured for peak_window_s; `mesh` pp,dp,tp (empty: mesh_shape of the ranks)."""
+    warmup: int = 2
+    timed: int = 5
+    profiled: int = 1
+    peak_window_s: float = 0.5
+    trace_dir: str = ""
+    mesh: tuple[int, ...] = ()
+    SMOKE = dict(LMRun.SMOKE, timed=3)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Warm up, time `timed` steps (tokens/s, MFU), profile `profiled` more (trace + timeline)."""
-    config = config or default_config()
-    shape = tuple(shape or mesh_shape(ctx.world_size))
+    config, warmup, timed, profiled = cfg.config(), cfg.warmup, cfg.timed, cfg.profiled
+    trace_dir = Path(cfg.trace_dir) if cfg.trace_dir else TRACE_DIR
+    shape = tuple(cfg.mesh) or mesh_shape(ctx.world_size)
     data, _ = split(corpus())
     trainer = Trainer(ctx, config, shape)
     for step in range(warmup):
@@ -219,7 +231,7 @@ def run(ctx: DistContext, *, config: LMConfig | None = None, shape=None, warmup:
         trainer.train_step(data, step)
         seconds.append(time.perf_counter() - start)
     step_s = sorted(seconds)[len(seconds) // 2]
-    peak = matmul_peak(ctx, window_s=peak_window_s)
+    peak = matmul_peak(ctx, window_s=cfg.peak_window_s)
     tokens = config.batch * config.seq
     flops = model_flops_per_token(config) * tokens
     path = trace_dir / f"rank{ctx.rank}.json"
@@ -230,22 +242,14 @@ def run(ctx: DistContext, *, config: LMConfig | None = None, shape=None, warmup:
             "trace": str(path), "timeline": line}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timed", type=int, default=pick(5, 2))
-    parser.add_argument("--profiled", type=int, default=pick(2, 1))
-    parser.add_argument("--trace-dir", default=str(TRACE_DIR))
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """The profiled run, reported under "trace" ({"unsolved": ...} while an exercise is a stub)."""
     from helpers.notice import attempt
     from helpers.show import table
 
-    args = parse_args(argv)
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = attempt(run, ctx, timed=args.timed, profiled=args.profiled, trace_dir=Path(args.trace_dir))
+        out = attempt(run, ctx, cfg)
         ctx.report(trace=out)
         if ctx.rank == 0 and "unsolved" not in out:
             print(f"{' x '.join(map(str, out['shape']))} mesh: step {1e3 * out['step_s']:.0f} ms, "

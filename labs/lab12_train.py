@@ -2,7 +2,7 @@
 x pipelining on one (pp, dp, tp) device mesh, checked against one process, with what each rank
 holds and sends measured.
 
-Run:  ./run.sh 12      (8 ranks: a 2 x 2 x 2 mesh; alone: NPROC=8 ./run.sh labs/lab12_train.py;
+Run:  ./run.sh 12      (8 ranks: a 2 x 2 x 2 mesh; alone: ./run.sh labs/lab12_train.py --help;
                         on 4 ranks the mesh is pp 2 x tp 2, on 2 ranks tp 2: labs/lab12_parallelize.py's
                         mesh_shape)
 
@@ -25,34 +25,30 @@ which one process reloads to sample text.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from helpers import pick
 from helpers.accounting import held_bytes
 from helpers.dist import DistContext, distributed, synchronize
 from helpers.memory import SavedTensorBytes, peak_allocated
 from helpers.tensors import divide
 from helpers.traffic import TrafficMeter
 from labs.lab12_checkpoint import checkpoint_report, one_process_model, save
-from labs.lab12_model import (LMConfig, batch_at, build_model, canonical_name, corpus, default_config,
+from helpers.runs import LOSS_RTOL, PARAM_ATOL
+from labs.lab12_model import (LMConfig, LMRun, batch_at, build_model, canonical_name, corpus,
                               lm_loss, parameter_count, split, train_reference)
 from labs.lab12_parallelize import (MESH_DIMS, clip_grad_norm_, make_mesh, mesh_shape, parallelize,
                                     pipeline_stage)
 
-LAB_NPROC = 8          # ./run.sh 12 launches this lab on 8 ranks (NPROC, when set, wins)
-# Against one process, float32: micro-batches, tensor-parallel shards and FSDP's reductions add in
-# other orders (~1e-7 relative per op); AdamW's division by sqrt(v) magnifies that for weights
-# whose gradients are tiny, so parameters drift apart by ~1e-5 in a few steps.
-LOSS_RTOL = 1e-4
-PARAM_ATOL = 1e-4
+# Against one process, float32: LOSS_RTOL and PARAM_ATOL (helpers/runs.py): micro-batches,
+# tensor-parallel shards and FSDP's reductions add in other orders; AdamW magnifies it.
 # bf16 parameters (MixedPrecisionPolicy): the losses agree to bf16's 8 bits of mantissa
 BF16_LOSS_RTOL = 2e-2
 CKPT_DIR = Path(__file__).resolve().parent.parent / "runs" / "lab12" / "train"   # the run's checkpoint
@@ -252,22 +248,35 @@ class MicrobatchActivations:
 
 
 # ======================================================================================== the run
-def run(ctx: DistContext, *, steps: int | None = None, check_steps: int | None = None,
-        eval_every: int | None = None, shape=None, bf16: bool = False, activation_checkpointing: bool = False,
-        ckpt_dir: Path | None = CKPT_DIR, config: LMConfig | None = None, sample_bytes: int | None = None,
-        eval_batches: int = 4) -> dict:
-    """The composed run: `steps` steps, checked against one process over the first `check_steps`,
-    the held-out loss every `eval_every` steps, what each rank holds and sends, timings; with
-    `ckpt_dir`, a sharded checkpoint at the end, reloaded by rank 0 in one process (held-out loss
-    and, with `sample_bytes`, a sample of text). Steps and sample size left out are ./run.sh 12's
-    (`parse_args`' defaults), so `run(ctx)` is this lab's run (helpers/launch/run_labs.py)."""
-    defaults = parse_args([])
-    steps = defaults.steps if steps is None else steps
-    check_steps = defaults.check_steps if check_steps is None else check_steps
-    eval_every = defaults.eval_every if eval_every is None else eval_every
-    sample_bytes = defaults.sample_bytes if sample_bytes is None else sample_bytes
-    config = config or default_config()
-    shape = tuple(shape or mesh_shape(ctx.world_size))
+@dataclass(frozen=True)
+class Run(LMRun):
+    """The model and the ranks (LMRun), and the composed run: `steps` steps, checked against one
+    process over the first `check_steps`, the held-out loss every `eval_every` steps (on
+    `eval_batches` batches); `mesh` pp,dp,tp (empty: mesh_shape of the ranks); bf16 parameters
+    (MixedPrecisionPolicy) and activation checkpointing per block; the checkpoint's folder
+    (empty: runs/lab12/train; "none": no checkpoint) and the bytes of text sampled from it."""
+    steps: int = 150
+    check_steps: int = 5
+    eval_every: int = 25
+    eval_batches: int = 4
+    mesh: tuple[int, ...] = ()
+    bf16: bool = False
+    checkpointing: bool = False
+    ckpt_dir: str = ""
+    sample_bytes: int = 200
+    SMOKE = dict(LMRun.SMOKE, steps=6, check_steps=3, eval_every=3, sample_bytes=40)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    """The composed run `cfg`: its steps, checked against one process over the first
+    `check_steps`, the held-out loss every `eval_every` steps, what each rank holds and sends,
+    timings; then a sharded checkpoint, reloaded by rank 0 in one process (held-out loss and,
+    with `sample_bytes`, a sample of text)."""
+    steps, check_steps, eval_every, sample_bytes = cfg.steps, cfg.check_steps, cfg.eval_every, cfg.sample_bytes
+    bf16, activation_checkpointing, eval_batches = cfg.bf16, cfg.checkpointing, cfg.eval_batches
+    ckpt_dir = None if cfg.ckpt_dir == "none" else Path(cfg.ckpt_dir) if cfg.ckpt_dir else CKPT_DIR
+    config = cfg.config()
+    shape = tuple(cfg.mesh) or mesh_shape(ctx.world_size)
     train_data, held_out = split(corpus())
     trainer = Trainer(ctx, config, shape, bf16=bf16, activation_checkpointing=activation_checkpointing)
     reference = train_reference(config, check_steps, train_data, device=ctx.device)
@@ -333,32 +342,15 @@ def run(ctx: DistContext, *, steps: int | None = None, check_steps: int | None =
     return out
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=pick(150, 6))
-    parser.add_argument("--check-steps", type=int, default=pick(5, 3))
-    parser.add_argument("--eval-every", type=int, default=pick(25, 3))
-    parser.add_argument("--mesh", default="", help="pp,dp,tp (default: from the world size)")
-    parser.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy: bf16 parameters, fp32 reduction")
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
-    parser.add_argument("--ckpt-dir", default="", help="default: runs/lab12/train")
-    parser.add_argument("--sample-bytes", type=int, default=pick(200, 40))
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """The run, reported under "train" ({"unsolved": ...} while an exercise is a stub: the
     notebook shows a notice for it), and rank 0's summary."""
     from helpers.notice import attempt
     from helpers.show import table
 
-    args = parse_args(argv)
-    shape = tuple(int(v) for v in args.mesh.split(",")) if args.mesh else None
-    ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else CKPT_DIR
+    args = Run.from_argv(argv)
     with distributed() as ctx:
-        out = attempt(run, ctx, steps=args.steps, check_steps=args.check_steps, eval_every=args.eval_every,
-                      shape=shape, bf16=args.bf16, activation_checkpointing=args.checkpointing,
-                      ckpt_dir=ckpt_dir, sample_bytes=args.sample_bytes)
+        out = attempt(run, ctx, args)
         ctx.report(train=out)
         if "unsolved" in out:
             return

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.model_states import model_state_bytes
 from helpers.notice import solved
 from labs import lab06_pipelining_api as api
 from labs import lab09_mesh as mesh
 from labs import lab09_schedules as s9
-from labs.lab08_zero import model_state_bytes
 from labs.lab09_planner import ModelSpec, activation_bytes_per_layer
 from tests.harness import launch_ranks
 
 
 @pytest.fixture(scope="module")
 def run4():
-    return launch_ranks("helpers/launch/run_labs.py", "lab09_mesh", "lab09_sequence_parallel", "lab09_pipelines",
+    return launch_ranks("helpers/launch/run_labs.py", "--preset", "smoke", "lab09_mesh", "lab09_sequence_parallel",
+                        "lab09_pipelines",
                         nproc=4, timeout=300, env={"COURSE_SMOKE": "1"})
 
 

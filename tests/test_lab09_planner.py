@@ -248,7 +248,7 @@ def test_lab12_model_counts_lab12s_parameters(small):
 def test_plan_lab12_holds_what_each_stage_holds(shape, microbatches):
     """plan_lab12: per stage, the parameters lab 12's stage holds on a rank (tp-split, then ZeRO-3 over dp), AdamW's 8 bytes."""
     needs_planner()
-    from labs.lab08_zero import model_state_bytes
+    from helpers.model_states import model_state_bytes
     from labs.lab12_plan import lab12_config, plan_lab12
     from labs.lab12_model import LMConfig
 

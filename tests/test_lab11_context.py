@@ -589,14 +589,15 @@ def worker(ctx) -> dict:
     original = lab.accumulation_dtype
     lab.accumulation_dtype = lambda dtype: dtype        # the kernel before the fix: bf16 stays bf16
     try:
-        out["bf16_in_input_dtype"] = check.bf16_check(ctx.device, check.bf16_sizes(), zigzag.zigzag_ring_attention,
-                                                      "zigzag")
+        out["bf16_in_input_dtype"] = check.bf16_check(ctx.device, check.Run.preset("smoke").bf16_sizes(),
+                                                      zigzag.zigzag_ring_attention, "zigzag")
     finally:
         lab.accumulation_dtype = original
     out["labs"] = {}
     for name in LABS:
         module = importlib.import_module(f"labs.{name}")
-        out["labs"][name] = module.run(ctx, repeats=3) if name == "lab11_overlap" else module.run(ctx)
+        cfg = module.Run.preset("smoke", **({"repeats": 3} if name == "lab11_overlap" else {}))
+        out["labs"][name] = module.run(ctx, cfg)
     return out
 
 

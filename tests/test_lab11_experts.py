@@ -163,14 +163,14 @@ def test_routing_plan_and_byte_formula():
 
 def test_imbalance_and_skew():
     assert lab.imbalance([3, 3, 3]) == 1.0 and lab.imbalance([6, 0, 0]) == 3.0 and lab.imbalance([0, 0]) == 1.0
-    sizes = {**check.default_sizes(), "hidden": 8, "ffn": 8, "tokens": 64}
+    sizes = check.Run.preset("smoke", hidden=8, ffn=8, tokens=64).values()
     rows = balance.skew_table(sizes, 2, strengths=(0.0, 4.0))
     assert rows[0]["expert max/mean"] < rows[1]["expert max/mean"] > 1.9   # top-2 of 4 experts: at most 2
     assert rows[1]["tokens per expert"][0] == max(rows[1]["tokens per expert"])
 
 
 def test_capacity_table_drops_more_with_skew_and_less_with_capacity():
-    sizes = {**check.default_sizes(), "hidden": 8, "ffn": 8, "tokens": 64}
+    sizes = check.Run.preset("smoke", hidden=8, ffn=8, tokens=64).values()
     rows = balance.capacity_table(sizes, 2, factors=(1.0, 2.0), skews=(0.0, 4.0))
     dropped = {(r["skew"], r["capacity factor"]): r["dropped"] for r in rows}
     assert dropped[(4.0, 1.0)] > dropped[(0.0, 1.0)] and dropped[(4.0, 2.0)] <= dropped[(4.0, 1.0)]
@@ -349,8 +349,8 @@ def test_training_result(ranks):
 
 # ---------------------------------------------------------------------------------------- worker
 def worker(ctx) -> dict:
-    result = check.run(ctx, **SIZES)
-    balanced = balance.run(ctx, **SIZES)
+    result = check.run(ctx, check.Run.preset("smoke", **SIZES))
+    balanced = balance.run(ctx, balance.Run.preset("smoke", **SIZES))
     wrong = {name: balance.ep_dp_check(ctx.device, SIZES, 2, sync=sync)["worst"] for name, sync in WRONG.items()}
     return {"run": {**result, **balanced, "printed": True}, "wrong": wrong}
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.runs import LOSS_RTOL, PARAM_ATOL
 from labs import lab12_model as model_lab
 from tests.harness import launch_ranks
 
@@ -37,7 +38,6 @@ NPROC = 4
 CONFIG = dict(dim=32, heads=4, layers=4, ffn=64, seq=32, batch=8)
 STEPS, CKPT_EVERY, KILL_RANK, KILL_AT = 6, 2, 1, 3
 PIPELINE, GRID = (2, 1, 2), (1, 2, 2)
-LOSS_RTOL, PARAM_ATOL = 1e-4, 1e-4
 
 
 # ============================================================================ in this process
@@ -474,15 +474,18 @@ def worker(folder: Path) -> None:
         args = argparse.Namespace(steps=STEPS, ckpt_every=CKPT_EVERY, kill_rank=KILL_RANK, kill_at_step=KILL_AT,
                                   layouts=",".join(map(str, GRID)))
         report = {"resume": resume.lab(ctx, args, folder / "ft", cfg)}    # what notebook 12's second launch reports
-        train = lab12_train.run(ctx, steps=3, check_steps=2, eval_every=2, shape=GRID, config=cfg,
-                                ckpt_dir=folder / "train", sample_bytes=12, eval_batches=2)
+        model = dict(CONFIG, ranks=NPROC)         # the tests' model, as every lab's Run fields
+        train = lab12_train.run(ctx, lab12_train.Run.preset(
+            "smoke", **model, steps=3, check_steps=2, eval_every=2, mesh=GRID, ckpt_dir=str(folder / "train"),
+            sample_bytes=12, eval_batches=2))
         train.pop("stage_params", None)
         report["train"] = train
-        report["trace"] = lab12_trace.run(ctx, config=cfg, shape=PIPELINE, warmup=1, timed=1, profiled=1,
-                                          trace_dir=folder / "trace", peak_window_s=0.1)
+        report["trace"] = lab12_trace.run(ctx, lab12_trace.Run.preset(
+            "smoke", **model, mesh=PIPELINE, warmup=1, timed=1, profiled=1, trace_dir=str(folder / "trace"),
+            peak_window_s=0.1))
         report["trace"]["timeline"].pop("intervals")
-        report["clipping"] = lab12_clipping.run(ctx, config=cfg, shape=PIPELINE, steps=3)
-        report["memory"] = lab12_memory.run(ctx, config=cfg)
+        report["clipping"] = lab12_clipping.run(ctx, lab12_clipping.Run.preset("smoke", **model, mesh=PIPELINE, steps=3))
+        report["memory"] = lab12_memory.run(ctx, lab12_memory.Run.preset("smoke", **model))
         ctx.report(**report)
 
 

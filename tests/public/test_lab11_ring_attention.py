@@ -56,7 +56,7 @@ def run_case(batch, heads, seq_local, head_dim, causal, logit_scale, layout, gro
 
     import labs.lab11_ring_attention as lab
     from helpers.comm_count import count_p2p
-    from labs.lab07_memory import SavedTensorBytes
+    from helpers.memory import SavedTensorBytes
     from labs.lab11_ring_trace import trace_ring
 
     rank, n = dist.get_rank(group), dist.get_world_size(group)

@@ -11,7 +11,7 @@ mesh, placements and local size, the FSDP units), what the norms and linear laye
 first forward (input shapes, dtypes), the logits, what the forward keeps for the backward, the
 collectives of a step and of its forward by mesh dimension (helpers.traffic.TrafficMeter; the tp
 group's are held to what sequence parallelism needs) and the FSDP units whole at once during the
-step (labs/lab12_memory.py's UnitWatch, with their gathered bytes); then it trains a few AdamW
+step (helpers/fsdp_units.py's UnitWatch, with their gathered bytes); then it trains a few AdamW
 steps (no clipping) and compares losses and parameters with one process that trained the whole
 model on the whole batches. Each `clip_grad_norm_` case gives every rank DTensor gradients of
 known full values (sharded over a (dp, tp) mesh, some stages of a pipeline each holding their own
@@ -29,11 +29,11 @@ import pytest
 import torch
 
 from helpers.notice import Unsolved, stub_message
+from helpers.runs import LOSS_RTOL, PARAM_ATOL  # float32 against one process
 from labs.lab12_parallelize import clip_grad_norm_, parallelize
 from tests.harness import launch_ranks
 
 NPROC = 4
-LOSS_RTOL, PARAM_ATOL = 1e-4, 1e-4          # float32 against one process (labs/lab12_train.py)
 BF16_LOSS_RTOL = 3e-2                        # bf16 parameters: 8 bits of mantissa
 NORM_RTOL = 1e-5
 TINY = dict(dim=32, heads=4, layers=2, ffn=64, seq=16, batch=4, lr=3e-3)
@@ -227,9 +227,9 @@ def _train(model, mesh, cfg, shape, device, loss_parallel, steps, microbatches) 
 
 def WholeUnits(model):
     """While active: the most FSDP units of `model` whole (gathered) at once during a step, and the
-    most bytes of gathered parameters they held (labs/lab12_memory.py's UnitWatch, which samples
+    most bytes of gathered parameters they held (helpers/fsdp_units.py's UnitWatch, which samples
     before each unit's forward and backward, with each unit's gathered bytes)."""
-    from labs.lab12_memory import UnitWatch, gathered_bytes
+    from helpers.fsdp_units import UnitWatch, gathered_bytes
 
     class Watch(UnitWatch):
         def __init__(self, model):
