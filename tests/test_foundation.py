@@ -691,3 +691,30 @@ def test_the_rank_that_failed_first_is_not_the_one_its_failure_disconnected():
     assert _first_error([(1.0, 1, timed_out), (1.5, 0, closed)], "")[0] == 1
     assert _first_error([(1.0, 0, closed), (1.5, 1, closed)], "")[0] == 0, \
         "with only closed connections, the earliest"
+
+
+def test_the_warm_launcher_imports_what_every_rank_would_and_starts_no_thread(tmp_path):
+    """The warm launcher pays once the imports every forked rank would pay (torch.distributed.run;
+    torch._dynamo, which a rank's first optimizer step imports: 1.5-1.7 CPU-s a rank) and forking
+    from it stays safe: it runs as many threads as a process that imported torch.distributed.run
+    alone (whatever torch's import starts), none more."""
+    import time
+
+    path = str(tmp_path / "socket")
+    warm = subprocess.Popen([sys.executable, "-m", "helpers.launch.warm", path], cwd=REPO_ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and warm.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(path), "the warm launcher did not start"
+        time.sleep(0.5)
+        threads = len(os.listdir(f"/proc/{warm.pid}/task"))  # it listens only after its imports
+    finally:
+        warm.terminate()
+        warm.wait(timeout=10)
+    plain = subprocess.run([sys.executable, "-c", "import os, torch.distributed.run; "
+                            "print(len(os.listdir('/proc/self/task')))"], capture_output=True,
+                           text=True, check=True)
+    assert threads == int(plain.stdout), f"the warm launcher runs {threads} threads, a plain " \
+        f"import of torch.distributed.run {plain.stdout.strip()}: forking from it is not safe"

@@ -173,6 +173,10 @@ class WarmProcess:
 def serve(path: str) -> int:
     """Accept launch requests on `path` until the parent is gone (or SIGTERM); fork a guard for each."""
     import torch.distributed.run  # noqa: F401  the import each launch would otherwise pay
+    # A rank's first optimizer step imports torch._dynamo (torch.optim checks whether it is being
+    # compiled): 1.5-1.7 CPU-s in every rank that trains, paid here once instead. It starts no
+    # thread (tests/test_foundation.py checks the launcher's threads).
+    import torch._dynamo  # noqa: F401
 
     # Its parent is polled, not watched with PR_SET_PDEATHSIG: that signal comes when the *thread*
     # that started this process ends, and launches come from any thread of the launching process.
