@@ -94,6 +94,16 @@ def balance_verdict(study: dict[str, dict], window: float = 1 / 3) -> dict[str, 
     return out
 
 
+def balance_sentence(verdict: dict) -> str:
+    """`balance_verdict` in words."""
+    parts = []
+    for name, v in verdict.items():
+        parts.append(f"{name}: imbalance {v['imbalance']:.2f} against {v['none_imbalance']:.2f} without balancing, "
+                     f"lower in {v['lower_fraction']:.0%} of the steps ({v['outcome']}), loss {v['loss']:.3f} against "
+                     f"{v['none_loss']:.3f}")
+    return "; ".join(parts)
+
+
 def main() -> None:
     from helpers.show import table
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from helpers import pick
 
+LAB_NPROC = 1        # one process: ./run.sh 13 runs it alone
 IMPLS = ("grouped", "loop", "padded")
 
 

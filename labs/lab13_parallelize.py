@@ -15,11 +15,11 @@ torchtitan makes them):
   loss's mean and the experts' load are over it);
 - "dp" = dp_replicate x dp_shard: the ranks that read different rows of the batch.
 
-Given here: `tensor_parallel` (notebook 12's plan for attention, the dense MLP, the embedding and
-the output layer; the MoE layers gather the sequence and split their experts' width: labs/
-lab13_experts.py) and `pipeline_stage` (lab 12's). The pieces the homework composes:
-`context_parallel` (labs/lab13_context.py), `expert_parallel` (labs/lab13_experts.py), `cp_positions`
-and torch's `fully_shard`.
+Given here: `moe_tensor_parallel` (an MoE block's part of tensor parallelism: the MoE gathers the
+sequence and splits its experts' width itself, labs/lab13_experts.py) and `pipeline_stage` (lab
+12's). The pieces the homework composes: notebook 12's tensor-parallel plan (yours), torch's
+`parallelize_module` and `fully_shard`, `context_parallel` and `cp_positions` (labs/
+lab13_context.py), `expert_parallel` (labs/lab13_experts.py).
 """
 from __future__ import annotations
 
@@ -90,45 +90,19 @@ def layout_name(sizes: dict[str, int]) -> str:
 
 
 # ============================================================================ tensor parallelism
-def tensor_parallel(model: MoELM, tp_mesh) -> MoELM:
-    """Notebook 12's tensor + sequence parallel plan on `tp_mesh` for attention (column-parallel
-    wq, wk, wv: each tp rank its query heads and their kv heads; row-parallel wo), the dense MLP,
-    the norms (sequence parallel), the vocabulary-parallel embedding and the output layer (logits
-    split over the vocabulary, loss parallel; whole logits on a pipeline's last stage, whose
-    schedule computes the loss on plain tensors). An MoE layer takes its input split along the
-    sequence, gathers it, and its experts (the shared one too) keep 1/tp of their hidden width
-    (labs/lab13_experts.py). In place; returns the model."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+def moe_tensor_parallel(block, tp_mesh):
+    """An MoE block's part of tensor parallelism on `tp_mesh` (what notebook 12's plan does not
+    cover): its ffn_norm on the sequence shard with a plain (local) output, the MoE told the mesh
+    (it gathers its input along the sequence and reduce-scatters its output itself), its routed
+    and shared experts keeping 1/tp of their hidden width (labs/lab13_experts.py). In place."""
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    top = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if model.norm is not None:
-        top["norm"] = SequenceParallel()
-    if model.output is not None:
-        whole = model.tok_embeddings is not None          # not a pipeline stage: loss parallel
-        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if whole else Replicate(),
-                                        use_local_output=not whole)
-    parallelize_module(model, tp_mesh, top)
-    for block in model.layers.values():
-        plan = {"attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1))}
-        if block.moe is None:
-            plan.update({"ffn_norm": SequenceParallel(),
-                         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                         "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
-        else:
-            plan["ffn_norm"] = SequenceParallel(use_local_output=True)
-            block.moe.tp_mesh = tp_mesh
-            expert_tensor_parallel(block.moe.experts, tp_mesh)
-            if block.moe.shared_expert is not None:
-                expert_tensor_parallel(block.moe.shared_expert, tp_mesh)
-        parallelize_module(block, tp_mesh, plan)
-    return model
+    parallelize_module(block, tp_mesh, {"ffn_norm": SequenceParallel(use_local_output=True)})
+    block.moe.tp_mesh = tp_mesh
+    expert_tensor_parallel(block.moe.experts, tp_mesh)
+    if block.moe.shared_expert is not None:
+        expert_tensor_parallel(block.moe.shared_expert, tp_mesh)
+    return block
 
 
 # ===================================================================================== exercise
@@ -144,7 +118,12 @@ def parallelize(model: MoELM, mesh, *, reshard_after_forward: bool | None = None
     columns `cp_positions(seq, cp, r)` of every sequence of its rows.
 
     Contract (the tests check each, on several meshes, against one process):
-    - tensor parallelism first, when mesh["tp"] has more than one rank: `tensor_parallel`;
+    - tensor parallelism first, when mesh["tp"] has more than one rank: notebook 12's plan
+      (your lab12 `parallelize` without its FSDP) for this model's attention (wk and wv
+      column-parallel like wq: each tp rank its query heads and their kv heads), its dense MLPs,
+      norms, embedding and output layer; the output layer's logits split over the vocabulary
+      (loss parallel) for the whole model, whole (a plain tensor) on a pipeline's last stage,
+      whose schedule computes the loss; an MoE block's feed-forward part is `moe_tensor_parallel`;
     - every attention attends over the whole sequence held by its mesh["cp"] group (`design`:
       "ring" or "ulysses"), its rotary angles and causal mask at the global positions of its rows
       (`context_parallel`);
@@ -165,17 +144,45 @@ def parallelize(model: MoELM, mesh, *, reshard_after_forward: bool | None = None
     """
     ### BEGIN SOLUTION
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
-    if mesh["tp"].size() > 1:
-        tensor_parallel(model, mesh["tp"])
-    cp = mesh["cp"]
+    tp = mesh["tp"]
+    if tp.size() > 1:      # 1. tensor + sequence parallelism, as in notebook 12
+        ends = {}
+        if model.tok_embeddings is not None:
+            ends["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        if model.norm is not None:
+            ends["norm"] = SequenceParallel()
+        if model.output is not None:
+            whole_model = model.tok_embeddings is not None
+            ends["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                             output_layouts=Shard(-1) if whole_model else Replicate(),
+                                             use_local_output=not whole_model)
+        parallelize_module(model, tp, ends)
+        for block in model.layers.values():
+            plan = {"attention_norm": SequenceParallel(),
+                    "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1))}
+            if block.moe is None:
+                plan.update({"ffn_norm": SequenceParallel(),
+                             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                desired_input_layouts=(Replicate(),)),
+                             "feed_forward.w1": ColwiseParallel(),
+                             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+            else:
+                moe_tensor_parallel(block, tp)
+            parallelize_module(block, tp, plan)
+    cp = mesh["cp"]        # 2. context parallelism at global positions; 3. experts over ep
     positions = cp_positions(model.config.seq, cp.size(), cp.get_local_rank())
     for block in model.layers.values():
         context_parallel(block.attention, cp, positions, design)
         if block.moe is not None:
             expert_parallel(block.moe.experts, mesh["dp_shard_cp"])
             block.moe.router.load_group = mesh["dp_cp"].get_group()
-    if reshard_after_forward is None:
+    if reshard_after_forward is None:     # 4. FSDP2 (HSDP with replicas), the experts apart
         reshard_after_forward = mesh["pp"].size() == 1
     weights = mesh["dp_replicate", "dp_shard_cp"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_cp"]
     for block in model.layers.values():

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, replace
 from labs.lab09_planner import GB, ClusterSpec, activation_bytes_per_layer, collective_seconds, p2p_seconds
 from labs.lab11_planner import all_to_all_seconds, group_link
 
+LAB_NPROC = 1        # pure arithmetic on one rank
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -144,9 +145,12 @@ def candidates(ranks: int, shape: MoEShape, max_tp: int | None = None) -> list[L
     return out
 
 
-def microbatches(layout: Layout, shape: MoEShape) -> int:
-    """lab 13's trainer: min(rows of a replica, 2 pp) with a pipeline, else 1."""
+def microbatches(layout: Layout, shape: MoEShape, micro_batch_rows: int | None = None) -> int:
+    """Micro-batches per step: `micro_batch_rows` sequences each (a cluster's runs: 1, as DeepSeek-V3
+    trains), or lab 13's trainer's rule, min(rows of a replica, 2 pp) with a pipeline, else 1."""
     rows = shape.batch // (layout.dp_replicate * layout.dp_shard)
+    if micro_batch_rows:
+        return max(1, rows // micro_batch_rows)
     return min(rows, 2 * layout.pp) if layout.pp > 1 else 1
 
 
@@ -169,11 +173,12 @@ class Call:
 
 
 def step_calls(layout: Layout, shape: MoEShape, *, stage: int = 0, element_bytes: int = 4,
-               design: str = "ring", reshard_after_forward: bool | None = None) -> list[Call]:
+               design: str = "ring", reshard_after_forward: bool | None = None,
+               micro_batch_rows: int | None = None) -> list[Call]:
     """The collectives and messages one rank of pipeline stage `stage` issues in one training step."""
     L, s, e = layout, shape, element_bytes
     P, R, S, C, T, F = L.pp, L.dp_replicate, L.dp_shard, L.cp, L.tp, L.dp_shard * L.cp
-    m = microbatches(L, s)
+    m = microbatches(L, s, micro_batch_rows)
     rows = s.batch // (R * S) // m                                # sequences per micro-batch
     t = s.seq // C                                                # positions a cp rank holds
     per_stage = s.layers // P
@@ -274,6 +279,41 @@ def per_dimension(calls: list[Call], sizes: dict[str, int]) -> dict[str, dict]:
     return out
 
 
+def traffic_rows(measured: dict[str, dict], layout: Layout, shape: MoEShape, **options) -> list[dict]:
+    """One row per (dimension, kind): the calls and bytes a rank's step made (`measured`: a relabelled
+    traffic summary of stage 0's rank 0) beside `step_calls`' count."""
+    planned = per_dimension(step_calls(layout, shape, **options), layout.sizes)
+    rows = []
+    for dim in sorted(set(measured) | set(planned)):
+        m, p = measured.get(dim, {}), planned.get(dim, {})
+        for kind in sorted(set(m.get("calls", {})) | set(p.get("calls", {})) - {"recv"}):
+            if kind == "recv":
+                continue
+            rows.append({"dimension": dim, "kind": kind, "calls": m.get("calls", {}).get(kind, 0),
+                         "planner's calls": p.get("calls", {}).get(kind, 0)})
+        rows.append({"dimension": dim, "kind": "(bytes sent)", "calls": round(m.get("sent_bytes", 0)),
+                     "planner's calls": round(p.get("sent", 0))})
+    return rows
+
+
+def rank_groups(sizes: dict[str, int], dims=("tp", "cp", "dp_shard_cp", "dp_replicate", "dp_cp", "pp")) -> list[dict]:
+    """Each rank's coordinate on the mesh of `sizes` (torchtitan's order, tp fastest) and its
+    group along each of `dims`."""
+    import torch
+
+    shape = [sizes.get(d, 1) for d in DIMS]
+    grid = torch.arange(math.prod(shape)).reshape(shape)
+    rows = []
+    for rank in range(grid.numel()):
+        where = [int(i) for i in (grid == rank).nonzero()[0]]
+        row = {"rank": rank, **{d: where[i] for i, d in enumerate(DIMS) if shape[i] > 1}}
+        for name in dims:
+            index = tuple(slice(None) if d in BASE[name] else where[i] for i, d in enumerate(DIMS))
+            row[f"{name} group"] = sorted(int(r) for r in grid[index].flatten())
+        rows.append(row)
+    return rows
+
+
 # ================================================================================== prediction
 SPANS = {"tp": ("tp",), "cp": ("tp", "cp"), "dp_shard_cp": ("tp", "cp", "dp_shard"),
          "dp_replicate": ("tp", "cp", "dp_shard", "dp_replicate"),
@@ -293,13 +333,16 @@ def call_seconds(call: Call, layout: Layout, cluster: ClusterSpec) -> float:
 
 
 def predict(layout: Layout, shape: MoEShape, cluster: ClusterSpec, *, element_bytes: int = 4,
-            design: str = "ring") -> dict:
-    """Step time (the slowest stage's) and memory per rank of `layout` on `cluster`."""
-    m = microbatches(layout, shape)
-    compute = shape.flops_per_token() * shape.batch * shape.seq / layout.ranks / cluster.flops_per_s
+            design: str = "ring", micro_batch_rows: int | None = None, recompute: str = "selective") -> dict:
+    """Step time (the slowest stage's) and memory per rank of `layout` on `cluster`. recompute
+    "full" keeps only each layer's input and recomputes a forward in the backward (4/3 the FLOPs)."""
+    m = microbatches(layout, shape, micro_batch_rows)
+    flops = shape.flops_per_token() * (4 / 3 if recompute == "full" else 1)
+    compute = flops * shape.batch * shape.seq / layout.ranks / cluster.flops_per_s
     worst = None
     for stage in range(layout.pp):
-        calls = step_calls(layout, shape, stage=stage, element_bytes=element_bytes, design=design)
+        calls = step_calls(layout, shape, stage=stage, element_bytes=element_bytes, design=design,
+                           micro_batch_rows=micro_batch_rows)
         comm = {}
         for c in calls:
             comm[c.dim] = comm.get(c.dim, 0.0) + call_seconds(c, layout, cluster)
@@ -308,34 +351,41 @@ def predict(layout: Layout, shape: MoEShape, cluster: ClusterSpec, *, element_by
         if worst is None or step > worst["step_s"]:
             worst = {"stage": stage, "compute_s": compute, "comm_s": comm, "step_s": step,
                      "calls": sum(c.count for c in calls)}
-    memory = memory_per_rank(layout, shape, element_bytes)
+    memory = memory_per_rank(layout, shape, element_bytes, micro_batch_rows, recompute)
     return {"layout": layout.name, "sizes": layout.sizes, **worst, "memory_bytes": memory,
             "fits": memory <= cluster.memory_bytes}
 
 
-def memory_per_rank(layout: Layout, shape: MoEShape, element_bytes: int = 4) -> float:
+def memory_per_rank(layout: Layout, shape: MoEShape, element_bytes: int = 4, micro_batch_rows: int | None = None,
+                    recompute: str = "selective") -> float:
     """16 bytes per parameter a rank keeps (weights, gradients, AdamW, as notebook 08 counts
-    them), sharded as the layout shards them, plus one stage's activations (selective
-    recomputation: no s x s scores) times the micro-batches 1F1B keeps in flight."""
-    L, s = layout, shape
+    them), sharded as the layout shards them; the two largest FSDP units whole (the one running,
+    the next one gathered); one stage's activations (`recompute` "selective": Korthikanti et al.'s
+    count without the s x s scores; "full": each layer's input) times the micro-batches 1F1B keeps
+    in flight."""
+    L, s, e = layout, shape, element_bytes
     moe = s.layers - s.dense_layers
+    attention_mlp = s.attention_params() + 2 * s.dim * max(s.ffn if s.dense_layers else 0, s.shared_ffn)
     dense = (s.layers * s.attention_params() + s.dense_layers * 2 * s.dim * s.ffn
              + moe * (2 * s.dim * s.shared_ffn) + 2 * s.vocab * s.dim) / L.tp
-    experts = moe * s.experts * s.expert_params() / (L.tp * L.ep * L.dp_replicate)
-    states = 16 * (dense / (L.dp_shard * L.cp) + experts + moe * s.dim * s.experts / (L.dp_shard * L.cp)) / L.pp
-    m = microbatches(L, s)
+    local_experts = s.experts // L.ep * s.expert_params() / L.tp          # one layer's, unsharded
+    states = 16 * (dense / (L.dp_shard * L.cp) + moe * local_experts / L.dp_replicate
+                   + moe * s.dim * s.experts / (L.dp_shard * L.cp)) / L.pp
+    whole_units = 2 * e * max(attention_mlp / L.tp, local_experts if moe else 0)
+    m = microbatches(L, s, micro_batch_rows)
     rows = s.batch // (L.dp_replicate * L.dp_shard) // m
-    per_layer = activation_bytes_per_layer(s.seq // L.cp, rows, s.dim, s.heads, tp=L.tp, sequence_parallel=L.tp > 1,
-                                           recompute="selective", element_bytes=element_bytes, dropout=False)
+    layer_acts = (e * (s.seq // L.cp) * rows * s.dim / (L.tp if L.tp > 1 else 1) if recompute == "full" else
+                  activation_bytes_per_layer(s.seq // L.cp, rows, s.dim, s.heads, tp=L.tp, sequence_parallel=L.tp > 1,
+                                             recompute="selective", element_bytes=e, dropout=False))
     in_flight = min(m, L.pp) if L.pp > 1 else 1
-    return states + per_layer * (s.layers // L.pp) * in_flight
+    return states + whole_units + layer_acts * (s.layers // L.pp) * in_flight
 
 
-def rank_layouts(shape: MoEShape, cluster: ClusterSpec, ranks: int, *, element_bytes: int = 4,
-                 max_tp: int | None = None) -> list[dict]:
-    """Every candidate layout's prediction, what fits first, then by predicted step time."""
-    rows = [predict(layout, shape, cluster, element_bytes=element_bytes)
-            for layout in candidates(ranks, shape, max_tp)]
+def rank_layouts(shape: MoEShape, cluster: ClusterSpec, ranks: int, *, max_tp: int | None = None,
+                 **options) -> list[dict]:
+    """Every candidate layout's prediction (`predict`'s options), what fits first, then by
+    predicted step time."""
+    rows = [predict(layout, shape, cluster, **options) for layout in candidates(ranks, shape, max_tp)]
     return sorted(rows, key=lambda r: (not r["fits"], r["step_s"]))
 
 
@@ -423,12 +473,14 @@ DEEPSEEK_V3_PUBLISHED = Layout(pp=16, dp_replicate=2, dp_shard=64)
 
 def published_ranking(gpus: int = 2048) -> list[dict]:
     """DeepSeek-V3's layouts on 2048 H800s (lab 11's H800_CLUSTER), bf16 (2 bytes), tp at most 8
-    (one node), with the published layout's place among them. The first 3 of 61 layers do not
+    (one node), one sequence a micro-batch, each layer's input kept and the rest recomputed (an
+    ASSUMPTION: DeepSeek-V3 recomputes its norms and some projections and keeps activations in
+    FP8), with the published layout's place among them. The first 3 of 61 layers do not
     split evenly over pp: the planner takes 64 layers (61 rounded up) for the split."""
     from labs.lab11_planner import H800_CLUSTER
 
     shape = replace(DEEPSEEK_V3, layers=64, dense_layers=3)
-    rows = rank_layouts(shape, H800_CLUSTER, gpus, element_bytes=2, max_tp=8)
+    rows = rank_layouts(shape, H800_CLUSTER, gpus, element_bytes=2, max_tp=8, micro_batch_rows=1, recompute="full")
     for i, row in enumerate(rows):
         row["rank"] = i + 1
         row["published"] = row["sizes"] == DEEPSEEK_V3_PUBLISHED.sizes

@@ -98,6 +98,19 @@ def reshard_verdict(rows: dict) -> dict:
     return {"outcome": outcome, "peak_ratio": ratios, "all_gathers": gathers, "fewer_gathers": fewer}
 
 
+def reshard_sentence(v: dict) -> str:
+    """`reshard_verdict` in words."""
+    low, high = min(v["peak_ratio"].values()), max(v["peak_ratio"].values())
+    off = sum(a for a, _ in v["all_gathers"].values())
+    on = sum(b for _, b in v["all_gathers"].values())
+    peak = {"keeps more": "held more at its peak on every rank", "keeps less": "held less at its peak on every rank",
+            "about the same": f"reached the same peak within {PEAK_SAME:.0%} on every rank",
+            "mixed": "held more at the peak on some ranks and less on others"}[v["outcome"]]
+    return (f"reshard_after_forward=False {peak} (peak ratio {low:.3f} to {high:.3f}), with "
+            f"{off} all-gathers on FSDP's dimension over all ranks against {on} with True"
+            + ("" if v["fewer_gathers"] else " (not fewer on every rank)"))
+
+
 # ============================================================================ HSDP
 def crosses(label: str, sizes: dict) -> bool:
     """Whether the groups named `label` (a `dimension_label`) hold ranks of both halves of the
@@ -141,6 +154,14 @@ def hsdp_verdict(rows: dict) -> dict:
             "outcome": "less" if h < f else "more" if h > f else "same"}
 
 
+def hsdp_sentence(v: dict) -> str:
+    """`hsdp_verdict` in words."""
+    if v["outcome"] == "same":
+        return "HSDP and plain FSDP sent the same bytes across the halves"
+    return (f"across the two halves of the ranks, HSDP sent {v['hsdp_crossing'] / 2**20:.2f} MiB a step, plain "
+            f"FSDP {v['flat_crossing'] / 2**20:.2f} MiB: {v['ratio']:.2f}x, {v['outcome']}")
+
+
 # ============================================================================ ring vs Ulysses
 def cp_study(ctx: DistContext, sizes: dict, config=None) -> list[dict]:
     """Ring and Ulysses with kv_heads = heads (multi-head) and the model's kv heads (grouped): one
@@ -171,6 +192,13 @@ def gqa_effect(rows: list[dict]) -> dict:
     out["less"] = {case: min(("ring", "ulysses"), key=lambda d: by[(d, n)]) for case, n in (("multi-head", heads),
                                                                                              ("grouped", kv))}
     return out
+
+
+def gqa_sentence(effect: dict) -> str:
+    """`gqa_effect` in words."""
+    return (f"going from multi-head to grouped-query attention cut the ring's bytes on cp by {effect['ring']:.2f}x "
+            f"and Ulysses' by {effect['ulysses']:.2f}x; the design that sent less: {effect['less']['multi-head']} "
+            f"with multi-head attention, {effect['less']['grouped']} with grouped-query attention")
 
 
 # ============================================================================ the chooser

@@ -254,6 +254,22 @@ class _FlattenedTraffic(_MeshTraffic or object):
 
 
 # ========================================================================== the checked run
+def shared_reference(ctx: DistContext, config: MoEConfig, steps: int, data: torch.Tensor) -> dict:
+    """One process's run (`train_reference`), computed on rank 0 and sent to every rank (the
+    other ranks would compute the same, sharing the same cores): its losses, first gradients,
+    parameters and biases, on the CPU."""
+    box = [None]
+    if ctx.rank == 0:
+        run = train_reference(config, steps, data, device=ctx.device, keep_grads=True)
+        model = run["model"]
+        box[0] = {"losses": run["losses"], "grads": {n: g.cpu() for n, g in run["grads"].items()},
+                  "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+                  "biases": {k: m.router.bias.tolist() for k, m in model.moe_layers().items()}}
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def check_run(ctx: DistContext, sizes: dict, *, config: MoEConfig | None = None, steps: int = 3,
               check_steps: int | None = None, design: str = "ring", reshard_after_forward: bool | None = None,
               parallelize_fn=parallelize, traffic_step: int | None = 1) -> dict:
@@ -269,8 +285,8 @@ def check_run(ctx: DistContext, sizes: dict, *, config: MoEConfig | None = None,
     data, _ = split(corpus())
     trainer = Trainer(ctx, config, sizes, design=design, reshard_after_forward=reshard_after_forward,
                       parallelize_fn=parallelize_fn)
-    reference = train_reference(config, check_steps, data, device=ctx.device, keep_grads=True)
-    ref_params = {n: p.detach() for n, p in reference["model"].named_parameters()}
+    reference = shared_reference(ctx, config, check_steps, data)
+    ref_params = reference["params"]
     out: dict = {"sizes": trainer.sizes, "layout": layout_name(trainer.sizes), "losses": [], "seconds": [],
                  "imbalance": [], "reference_losses": reference["losses"], "rank": ctx.rank,
                  "pp_rank": trainer.pp_rank, "check_steps": check_steps, "design": design}
@@ -292,7 +308,7 @@ def check_run(ctx: DistContext, sizes: dict, *, config: MoEConfig | None = None,
             out["traffic"] = relabel(meter.summary(), trainer.sizes)
         if step + 1 == check_steps:
             out["param_diff"] = trainer.local_pieces(ref_params)
-            ref_bias = {k: reference["model"].layers[k].moe.router.bias.tolist() for k in trainer.biases()}
+            ref_bias = {k: reference["biases"][k] for k in trainer.biases()}
             out["bias_diff"] = max((max(abs(a - b) for a, b in zip(mine, ref_bias[k]))
                                     for k, mine in trainer.biases().items()), default=0.0)
             out["bias_moved"] = max((max(abs(b) for b in v) for v in ref_bias.values()), default=0.0)
@@ -309,6 +325,24 @@ def passed(report: dict) -> bool:
     """Within the tolerances of one process: losses, first gradients, parameters, biases."""
     return (report["max_loss_rel_diff"] <= LOSS_RTOL and report["max_grad_diff"] <= GRAD_ATOL
             and report["max_param_diff"] <= PARAM_ATOL and report["bias_diff"] <= 1e-9)
+
+
+def agreement(reports: list[dict]) -> dict:
+    """Every rank's `check_run` report against the tolerances: the worst differences over the
+    ranks and whether each is within its tolerance."""
+    worst = {"loss": max(r["max_loss_rel_diff"] for r in reports), "gradient": max(r["max_grad_diff"] for r in reports),
+             "parameter": max(r["max_param_diff"] for r in reports), "bias": max(r["bias_diff"] for r in reports)}
+    tolerance = {"loss": LOSS_RTOL, "gradient": GRAD_ATOL, "parameter": PARAM_ATOL, "bias": 1e-9}
+    return {k: {"worst": v, "tolerance": tolerance[k], "within": v <= tolerance[k]} for k, v in worst.items()}
+
+
+def agreement_sentence(a: dict, steps: int) -> str:
+    """`agreement` in words."""
+    parts = [f"{k} {v['worst']:.1e} (tolerance {v['tolerance']:g})" for k, v in a.items()]
+    ok = all(v["within"] for v in a.values())
+    return (f"against one process over {steps} steps, the worst over every rank: " + ", ".join(parts)
+            + (": within every tolerance" if ok else f": BEYOND the tolerance for "
+               + ", ".join(k for k, v in a.items() if not v["within"])))
 
 
 def default_sizes(world_size: int) -> dict:
