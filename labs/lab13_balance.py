@@ -62,12 +62,17 @@ def bias_chooses_only(router: Router, tokens: int = 64, seed: int = 0) -> dict:
 def balance_study(config: MoEConfig | None = None, steps: int | None = None) -> dict[str, dict]:
     """Each of VARIANTS trained from the same weights on the same batches: per step the mean
     over MoE layers of the load imbalance (before that step's bias move) and the loss."""
+    from helpers.bench import intra_op_threads
+
     config = config or default_config()
-    steps = steps or pick(45, 6)
+    steps = steps or pick(36, 6)
     data, _ = split(corpus())
     out = {}
     for name, changes in VARIANTS.items():
-        run = train_reference(MoEConfig(**{**config.as_dict(), **changes}), steps, data)
+        # one thread, as the launch's ranks run: this model's operators are small, and on a shared
+        # machine a second thread's spinning cost 20x here (measured: 0.08 s a step against 1.4-2.4)
+        with intra_op_threads(1):
+            run = train_reference(MoEConfig(**{**config.as_dict(), **changes}), steps, data)
         per_step = [sum(imbalance(v) for v in loads.values()) / len(loads) for loads in run["loads"]]
         out[name] = {"imbalance": per_step, "losses": run["losses"], **changes}
     return out

@@ -135,8 +135,14 @@ def compare(tokens: int | None = None, dim: int = 64, ffn: int = 64, experts: in
     forward + backward timed in rounds after a warm-up one, every impl once per round back to back
     (their time ratios paired by round), memory at its peak, dropped tokens, and the difference
     from the loop on the tokens every impl kept."""
-    tokens = tokens or pick(4096, 256)
-    rounds = rounds or pick(7, 3)
+    from helpers.bench import intra_op_threads
+
+    with intra_op_threads(1):      # one thread, as the ranks run (torchrun's OMP_NUM_THREADS=1)
+        return _compare(tokens or pick(4096, 256), dim, ffn, experts, top_k, skew, capacity_factor,
+                        rounds or pick(7, 3), dtypes)
+
+
+def _compare(tokens, dim, ffn, experts, top_k, skew, capacity_factor, rounds, dtypes) -> list[GemmResult]:
     x, chosen, gates = routed(tokens, dim, experts, top_k, skew)
     w1, w2 = expert_weights(experts, dim, ffn)
     cases = [(impl, torch.float32) for impl in IMPLS] + [("grouped", d) for d in dtypes if d != torch.float32]

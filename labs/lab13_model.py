@@ -192,7 +192,9 @@ class GroupedExperts(nn.Module):
         from labs.lab13_experts import scale_grad
 
         w1, w2 = scale_grad(self.w1, grad_scale), scale_grad(self.w2, grad_scale)
-        if self.impl == "loop" or rows.shape[0] == 0:
+        # torch 2.13's _grouped_mm: float32/bf16/fp16 on the CPU; on a GPU bf16 on sm90 and newer
+        grouped = rows.device.type == "cpu" or rows.dtype == torch.bfloat16
+        if self.impl == "loop" or rows.shape[0] == 0 or not grouped:
             pieces = rows.split(counts.tolist())
             outs = [F.gelu(p @ w1[e].t()) @ w2[e].t() for e, p in enumerate(pieces)]
             out = torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[1])

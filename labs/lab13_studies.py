@@ -59,8 +59,10 @@ def axes(sizes: dict) -> list[str]:
 # ============================================================================ FSDP under pp
 def reshard_study(ctx: DistContext, sizes: dict, config=None) -> dict:
     """The pipelined mesh with reshard_after_forward False (torchtitan's choice with pp) and
-    True: for one step after a warm-up one, this rank's peak bytes allocated during the step, its
-    all-gathers on FSDP's dimension and the step's time."""
+    True: for one step after a warm-up one, this rank's peak bytes allocated during the step, the
+    parameter bytes its stage holds after its first micro-batch's forward (until the next one),
+    its all-gathers on FSDP's dimension and the step's time."""
+    from helpers.accounting import held_bytes
     from labs.lab13_grouped_gemm import peak_bytes
     from labs.lab13_planner import dimension_label, relabel
 
@@ -71,15 +73,20 @@ def reshard_study(ctx: DistContext, sizes: dict, config=None) -> dict:
     for reshard in (False, True):
         trainer = Trainer(ctx, config, sizes, reshard_after_forward=reshard)
         trainer.step(data, 0)
-        meter = traffic_meter(trainer.mesh)
+        meter, between = traffic_meter(trainer.mesh), {}
+
+        def after_forward(module, args, output):      # FSDP's own hook has run: resharded or not
+            between.setdefault("bytes", held_bytes({"p": module.parameters()})["total"])
+        handle = trainer.model.register_forward_hook(after_forward)
         ctx.barrier()
         start = time.perf_counter()
         with meter:
             peak = peak_bytes(lambda: trainer.step(data, 1))
         seconds = time.perf_counter() - start
+        handle.remove()
         traffic = relabel(meter.summary(), trainer.sizes)
         out[str(reshard)] = {"peak_bytes": peak, "all_gathers": traffic.get(fsdp, {}).get("calls", {}).get("all_gather", 0),
-                             "seconds": seconds, "stage": trainer.pp_rank}
+                             "between_forwards": between.get("bytes", 0), "seconds": seconds, "stage": trainer.pp_rank}
         del trainer
     return out
 
@@ -95,7 +102,9 @@ def reshard_verdict(rows: dict) -> dict:
     outcome = ("keeps more" if low > 1 + PEAK_SAME else "keeps less" if high < 1 - PEAK_SAME
                else "about the same" if 1 - PEAK_SAME <= low and high <= 1 + PEAK_SAME else "mixed")
     fewer = all(off < on for off, on in gathers.values())
-    return {"outcome": outcome, "peak_ratio": ratios, "all_gathers": gathers, "fewer_gathers": fewer}
+    between = {r: (v["False"]["between_forwards"], v["True"]["between_forwards"]) for r, v in rows.items()}
+    return {"outcome": outcome, "peak_ratio": ratios, "all_gathers": gathers, "fewer_gathers": fewer,
+            "between_forwards": between, "holds_more_between": all(off > on for off, on in between.values())}
 
 
 def reshard_sentence(v: dict) -> str:
@@ -106,9 +115,12 @@ def reshard_sentence(v: dict) -> str:
     peak = {"keeps more": "held more at its peak on every rank", "keeps less": "held less at its peak on every rank",
             "about the same": f"reached the same peak within {PEAK_SAME:.0%} on every rank",
             "mixed": "held more at the peak on some ranks and less on others"}[v["outcome"]]
-    return (f"reshard_after_forward=False {peak} (peak ratio {low:.3f} to {high:.3f}), with "
-            f"{off} all-gathers on FSDP's dimension over all ranks against {on} with True"
-            + ("" if v["fewer_gathers"] else " (not fewer on every rank)"))
+    kept = sum(a for a, _ in v["between_forwards"].values()) / 2**10
+    freed = sum(b for _, b in v["between_forwards"].values()) / 2**10
+    return (f"reshard_after_forward=False {peak} (peak ratio {low:.3f} to {high:.3f}); between a micro-batch's "
+            f"forward and the next, the ranks held {kept:.0f} KiB of parameters against {freed:.0f} KiB with True"
+            + ("" if v["holds_more_between"] else " (not more on every rank)")
+            + f"; {off} all-gathers on FSDP's dimension against {on}" + ("" if v["fewer_gathers"] else " (not fewer on every rank)"))
 
 
 # ============================================================================ HSDP

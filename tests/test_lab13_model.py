@@ -259,8 +259,9 @@ def test_the_published_layout_is_a_candidate_and_fits():
 
 
 # ============================================================================ the studies' verdicts
-def reshard(peaks_off, peaks_on, gathers=(3, 15)):
-    return {r: {"False": {"peak_bytes": a, "all_gathers": gathers[0]}, "True": {"peak_bytes": b, "all_gathers": gathers[1]}}
+def reshard(peaks_off, peaks_on, gathers=(3, 15), between=(400, 100)):
+    return {r: {"False": {"peak_bytes": a, "all_gathers": gathers[0], "between_forwards": between[0]},
+                "True": {"peak_bytes": b, "all_gathers": gathers[1], "between_forwards": between[1]}}
             for r, (a, b) in enumerate(zip(peaks_off, peaks_on))}
 
 
@@ -271,6 +272,7 @@ def test_reshard_verdict_can_flip(off, on, outcome):
     assert v["outcome"] == outcome and v["fewer_gathers"]
     assert {"about the same": "the same peak", "keeps more": "held more", "keeps less": "held less",
             "mixed": "some ranks"}[outcome] in studies_lab.reshard_sentence(v)
+    assert v["holds_more_between"] and not studies_lab.reshard_verdict(reshard(off, on, between=(100, 400)))["holds_more_between"]
     assert not studies_lab.reshard_verdict(reshard(off, on, (15, 3)))["fewer_gathers"]
 
 

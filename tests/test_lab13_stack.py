@@ -124,7 +124,7 @@ def test_resharding_under_a_pipeline_gathers_more(res):
     from labs.lab13_studies import reshard_verdict
 
     v = reshard_verdict({r: p for r, p in enumerate(parts(res, "reshard"))})
-    assert v["fewer_gathers"], v
+    assert v["fewer_gathers"] and v["holds_more_between"], v
 
 
 def test_the_chooser_ran_its_top_two(res):

@@ -316,22 +316,35 @@ def test_fsdp_over_dp_shard_cp(results, name):
 
 def check_fsdp_over_dp_shard_cp(results, name):
     for rep in case(results, name):
-        hsdp = rep["sizes"]["dp_replicate"] > 1
+        sizes, rank = rep["sizes"], rep["rank"]
+        hsdp = sizes["dp_replicate"] > 1
+        data = ("dp_replicate", "dp_shard", "cp") if hsdp else ("dp_shard", "cp")
+        must = set(group_of(rank, sizes, data))
+        allowed = set(group_of(rank, sizes, data + ("tp",)))
         for pname, e in rep["params"].items():
             if ".moe.experts." in pname:
                 continue
-            assert "dp_shard_cp" in e["dims"], (
-                f"rank {rep['rank']} ({name}): {pname} is on a mesh of dimensions {e['dims'] or 'none (a plain tensor)'}: "
-                "FSDP shards it over mesh['dp_shard_cp']. The cp ranks hold the same weights and see other tokens "
-                "of the same sequences: FSDP over dp_shard only never reduces their gradients, and each cp rank "
-                "trains another model." + (" Every block and the model itself are FSDP units." if not e["dims"] else ""))
-            placed = dict(zip(e["dims"], e["placements"]))
-            assert "Shard" in placed["dp_shard_cp"], f"rank {rep['rank']} ({name}): {pname} {placed}"
+            where = f"rank {rank} ({name}): {pname} is "
+            assert e["dims"], (where + "a plain tensor: FSDP makes every weight a DTensor; every block and the "
+                               "model itself are FSDP units (fully_shard on the blocks, then on the model)")
+            ranks = set(e["ranks"])
+            assert ranks <= allowed, (
+                where + f"spread over ranks {sorted(ranks)}, beyond its data-parallel (and tp) ranks {sorted(allowed)}: "
+                "fully_shard without mesh= shards over every rank; give it the data-parallel sub-mesh")
+            assert must <= ranks, (
+                where + f"sharded over ranks {sorted(ranks & must)} of the {len(must)} that hold the same weight "
+                f"{sorted(must)}: FSDP over dp_shard alone never reduces the cp ranks' gradients (they hold the same "
+                "weights and see other tokens of the same sequences), and each cp rank trains another model: "
+                "shard over mesh['dp_shard_cp']" + (", within each replica (HSDP)" if hsdp else ""))
+            placed = [pl for d, pl in zip(e["dims"], e["placements"]) if d != "tp"]
             if hsdp:
-                assert placed.get("dp_replicate") == "Replicate()", (
-                    f"rank {rep['rank']} ({name}): {pname} has placements {placed}: with mesh['dp_replicate'] > 1, "
-                    "HSDP: fully_shard on the 2-D mesh (dp_replicate, dp_shard_cp), sharded within a replica, "
-                    "replicated across (the unit a replica can be restarted from, notebook 14)")
+                assert len(placed) == 2 and placed[0] == "Replicate()" and "Shard" in placed[1], (
+                    where + f"placed {placed} over the data-parallel ranks: with mesh['dp_replicate'] > 1 this is "
+                    "HSDP, fully_shard on the 2-D mesh (dp_replicate, dp_shard_cp): sharded within a replica, "
+                    "replicated across (the numbers agree with plain FSDP over every rank; the traffic between "
+                    "replicas and what a replica can be restarted from do not, notebook 14)")
+            else:
+                assert len(placed) == 1 and "Shard" in placed[0], where + f"placed {placed} over the data ranks"
 
 
 @pytest.mark.exercise("parallelize")
