@@ -177,7 +177,8 @@ def hsdp_sentence(v: dict) -> str:
 # ============================================================================ ring vs Ulysses
 def cp_study(ctx: DistContext, sizes: dict, config=None) -> list[dict]:
     """Ring and Ulysses with kv_heads = heads (multi-head) and the model's kv heads (grouped): one
-    checked step each; the bytes this rank sent on the cp dimension, and the planner's count."""
+    checked step each; the bytes that left this rank on the cp dimension (`left`), and the
+    planner's count."""
     from labs.lab13_planner import Layout, MoEShape, dimension_label, per_dimension, step_calls
 
     config = config or default_config()
@@ -189,9 +190,16 @@ def cp_study(ctx: DistContext, sizes: dict, config=None) -> list[dict]:
         layout = Layout(**{k: v for k, v in sizes.items()})
         planned = per_dimension(step_calls(layout, MoEShape.from_config(cfg), design=design), layout.sizes)
         rows.append({"attention": "multi-head" if kv_heads == config.heads else f"grouped ({kv_heads} kv heads)",
-                     "kv_heads": kv_heads, "design": design, "sent": run["traffic"].get(label, {}).get("sent_bytes", 0),
+                     "kv_heads": kv_heads, "design": design, "sent": left(run["traffic"].get(label, {}), sizes["cp"]),
                      "planned": planned.get(label, {}).get("sent", 0.0), "ok": run["max_loss_rel_diff"] < 1e-4})
     return rows
+
+
+def left(traffic: dict, n: int) -> float:
+    """Bytes that left this rank, from a dimension's sizes (`bytes[kind]`): a message's all of it,
+    an all-to-all's (n-1)/n (even splits, as Ulysses' are: a rank's own block stays)."""
+    sizes = traffic.get("bytes", {})
+    return sizes.get("send", 0) + sizes.get("all_to_all", 0) * (n - 1) / n
 
 
 def gqa_effect(rows: list[dict]) -> dict:
@@ -242,7 +250,19 @@ def chooser(ctx: DistContext, rounds: int | None = None, config=None) -> dict:
 
 
 # ============================================================================ the run
-def run(ctx: DistContext, parts=("composed", "pipelined", "reshard", "hsdp", "cp", "chooser")) -> dict:
+PARTS = ("composed", "pipelined", "reshard", "hsdp", "cp", "chooser")
+
+
+def unsolved(world_size: int, message: str) -> dict:
+    """What `run` would report on every rank while `parallelize` is its stub (every part needs it),
+    without launching anything: the notebook shows the notices and goes on."""
+    m = meshes(world_size)
+    one = {"meshes": m, "axes": {k: axes(v) for k, v in m.items()}, "seconds": {p: 0.0 for p in PARTS},
+           **{part: {"unsolved": message} for part in PARTS}}
+    return {rank: one for rank in range(world_size)}
+
+
+def run(ctx: DistContext, parts=PARTS) -> dict:
     """Every part on this world size's meshes (`MESHES`), each under `attempt`."""
     m = meshes(ctx.world_size)
     steps, check = pick(30, 4), pick(4, 3)

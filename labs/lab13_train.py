@@ -205,7 +205,7 @@ def traffic_meter(mesh):
         from helpers.traffic import TrafficMeter
     except ImportError:
         return _FlattenedTraffic(mesh)
-    return TrafficMeter(mesh)
+    return TrafficMeter(mesh, names={name: mesh[name].get_group() for name in FLATTENED})
 
 
 def _flattened_traffic_class():
@@ -254,17 +254,20 @@ class _FlattenedTraffic(_MeshTraffic or object):
 
 
 # ========================================================================== the checked run
+def reference_run(config: MoEConfig, steps: int, data: torch.Tensor, device="cpu") -> dict:
+    """One process's run (`train_reference`): its losses, first gradients, parameters and biases,
+    on the CPU."""
+    run = train_reference(config, steps, data, device=device, keep_grads=True)
+    model = run["model"]
+    return {"losses": run["losses"], "grads": {n: g.cpu() for n, g in run["grads"].items()},
+            "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+            "biases": {k: m.router.bias.tolist() for k, m in model.moe_layers().items()}}
+
+
 def shared_reference(ctx: DistContext, config: MoEConfig, steps: int, data: torch.Tensor) -> dict:
-    """One process's run (`train_reference`), computed on rank 0 and sent to every rank (the
-    other ranks would compute the same, sharing the same cores): its losses, first gradients,
-    parameters and biases, on the CPU."""
-    box = [None]
-    if ctx.rank == 0:
-        run = train_reference(config, steps, data, device=ctx.device, keep_grads=True)
-        model = run["model"]
-        box[0] = {"losses": run["losses"], "grads": {n: g.cpu() for n, g in run["grads"].items()},
-                  "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
-                  "biases": {k: m.router.bias.tolist() for k, m in model.moe_layers().items()}}
+    """`reference_run` on rank 0, sent to every rank (the others would compute the same, sharing
+    the same cores)."""
+    box = [reference_run(config, steps, data, ctx.device) if ctx.rank == 0 else None]
     if ctx.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -272,11 +275,12 @@ def shared_reference(ctx: DistContext, config: MoEConfig, steps: int, data: torc
 
 def check_run(ctx: DistContext, sizes: dict, *, config: MoEConfig | None = None, steps: int = 3,
               check_steps: int | None = None, design: str = "ring", reshard_after_forward: bool | None = None,
-              parallelize_fn=parallelize, traffic_step: int | None = 1) -> dict:
+              parallelize_fn=parallelize, traffic_step: int | None = 1, reference: dict | None = None) -> dict:
     """`steps` steps on the mesh of `sizes`, the first `check_steps` (default: all) against one
     process: every step's global loss, the first step's gradients, the parameters and biases after
     the last checked step (max differences over this rank's pieces); one step's traffic by mesh
-    dimension (labelled by `dimension_label`); each step's time and MoE load imbalance."""
+    dimension (labelled by `dimension_label`); each step's time and MoE load imbalance.
+    `reference`: `reference_run`'s result when the caller has it (else rank 0 computes it)."""
     from labs.lab13_model import imbalance
     from labs.lab13_planner import relabel
 
@@ -285,7 +289,7 @@ def check_run(ctx: DistContext, sizes: dict, *, config: MoEConfig | None = None,
     data, _ = split(corpus())
     trainer = Trainer(ctx, config, sizes, design=design, reshard_after_forward=reshard_after_forward,
                       parallelize_fn=parallelize_fn)
-    reference = shared_reference(ctx, config, check_steps, data)
+    reference = reference or shared_reference(ctx, config, check_steps, data)
     ref_params = reference["params"]
     out: dict = {"sizes": trainer.sizes, "layout": layout_name(trainer.sizes), "losses": [], "seconds": [],
                  "imbalance": [], "reference_losses": reference["losses"], "rank": ctx.rank,

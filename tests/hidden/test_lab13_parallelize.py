@@ -30,10 +30,10 @@ CASES = {
     "dp_shard 4": ({"dp_shard": 4}, {}),
     "dp_replicate 2 x dp_shard 2 (HSDP)": ({"dp_replicate": 2, "dp_shard": 2}, {}),
     "dp_shard 2 x tp 2": ({"dp_shard": 2, "tp": 2}, {}),
-    "pp 2 x tp 2": ({"pp": 2, "tp": 2}, {}),
-    "pp 2 x dp_shard 2, other shape": ({"pp": 2, "dp_shard": 2}, {"config": OTHER_SHAPE}),
     "dp_shard 2 x cp 2, Ulysses": ({"dp_shard": 2, "cp": 2}, {"design": "ulysses"}),
     "dp_replicate 2 x cp 2, other shape": ({"dp_replicate": 2, "cp": 2}, {"config": OTHER_SHAPE}),
+    "pp 2 x tp 2": ({"pp": 2, "tp": 2}, {}),                   # pipelines last: a broken one may hang
+    "pp 2 x dp_shard 2, other shape": ({"pp": 2, "dp_shard": 2}, {"config": OTHER_SHAPE}),
 }
 CHECKS = [check_attention_at_global_positions, check_attention_over_the_cp_group, check_experts_over_dp_shard_cp,
           check_load_counted_over_the_batch, check_fsdp_over_dp_shard_cp, check_experts_a_unit_of_their_own,
