@@ -53,6 +53,23 @@ def support(dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64)
     return rows
 
 
+def inside_grouped_mm(groups: int = 4) -> dict[str, int]:
+    """The matmul operators one `_grouped_mm` call over `groups` groups runs here, from the
+    profiler ({"aten::mm": groups} on this CPU build: a loop inside the operator)."""
+    from torch.profiler import profile
+
+    try:                                    # the profiler's C++ side prints to fd 2 on start and stop
+        from helpers.memory import quiet_stderr
+    except ImportError:
+        from labs.lab07_memory import _quiet_stderr as quiet_stderr
+    x, w = torch.randn(8 * groups, 16), torch.randn(groups, 16, 16)
+    offsets = torch.arange(8, 8 * groups + 1, 8, dtype=torch.int32)
+    with quiet_stderr():
+        with profile() as prof:
+            torch._grouped_mm(x, w, offs=offsets)
+    return {e.key: e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul")}
+
+
 # ============================================================================ three ways
 def routed(tokens: int, dim: int, experts: int, top_k: int, skew: float, seed: int = 0):
     """Tokens (T, dim) and their top-k experts from a random router leaning towards expert 0 by

@@ -65,7 +65,7 @@ def default_config(**changes) -> MoEConfig:
     """The lab's model (smoke mode: a smaller one), with `changes` applied."""
     base = pick(MoEConfig(dim=64, heads=4, kv_heads=2, layers=4, ffn=128, seq=64, batch=8, experts=8,
                           expert_ffn=32, shared_ffn=32, max_norm=math.inf),
-                MoEConfig(dim=32, heads=4, kv_heads=2, layers=2, ffn=64, seq=32, batch=4, experts=4,
+                MoEConfig(dim=32, heads=4, kv_heads=2, layers=2, ffn=64, seq=32, batch=4, experts=8,
                           expert_ffn=16, shared_ffn=16, max_norm=math.inf))
     return MoEConfig(**{**base.as_dict(), **changes})
 

@@ -265,7 +265,7 @@ def unsolved(world_size: int, message: str) -> dict:
 def run(ctx: DistContext, parts=PARTS) -> dict:
     """Every part on this world size's meshes (`MESHES`), each under `attempt`."""
     m = meshes(ctx.world_size)
-    steps, check = pick(30, 4), pick(4, 3)
+    steps, check = pick(30, 3), pick(4, 3)
     plan = {
         "composed": lambda: check_run(ctx, m["composed"], steps=steps, check_steps=check),
         "pipelined": lambda: check_run(ctx, m["pipelined"], steps=3),

@@ -159,7 +159,9 @@ class Trainer:
             full = tensors[name].to(self.ctx.device)
             if name in slices:
                 full = full[slices[name]]
-            diffs[name] = (_local(t).float() - _piece(p, full)).abs().max().item() if _local(t).numel() else 0.0
+            piece = _piece(t, full)
+            diffs[name] = ((_local(t).float() - piece).abs().max().item() if _local(t).shape == piece.shape
+                           else math.inf) if _local(t).numel() else 0.0
         return diffs
 
     def _module_slices(self) -> dict[str, tuple]:

@@ -167,6 +167,11 @@ def test_grouped_gemm_support_is_asked_of_torch():
     assert "16 bytes" in rows[("float32", 10)]
 
 
+def test_grouped_mm_is_a_loop_of_matmuls_on_this_cpu():
+    """What the notebook says of this build: one aten::mm per group inside the operator."""
+    assert gemm_lab.inside_grouped_mm(3) == {"aten::mm": 3}
+
+
 def test_three_ways_agree_where_nothing_is_dropped():
     x, chosen, gates = gemm_lab.routed(64, 16, 4, 2, skew=0.0)
     w1, w2 = gemm_lab.expert_weights(4, 16, 16)

@@ -207,12 +207,16 @@ def case(results, name: str) -> list[dict]:
 
 def hints(error: str) -> str:
     out = ""
+    if "(at labs/lab13_parallelize.py" in error and "not divisible" not in error:
+        out += (" It was raised in parallelize: the order is tensor parallelism (mesh['tp']), then the attention "
+                "and the experts, then FSDP from the leaves up, every fully_shard given its sub-mesh (without "
+                "mesh= it shards over every rank, tp and pp ranks included).")
     if "experts over the expert-parallel ranks: 1 is not divisible" in error:
         out += (" The shared expert was given to expert_parallel: it runs on every token, on the rank "
                 "where the token is; only moe.experts (the routed ones) go over the ep ranks.")
     if "not divisible" in error and "experts" in error and "1 is not" not in error:
         out += " The experts go over mesh['dp_shard_cp'] (ep = dp_shard x cp)."
-    if "DTensor" in error or "mesh" in error.lower():
+    if ("DTensor" in error or "mesh" in error.lower()) and "(at labs/lab13_parallelize.py" not in error:
         out += (" Tensor parallelism first (notebook 12's plan on mesh['tp'], moe_tensor_parallel for an MoE "
                 "block), then FSDP on the data-parallel sub-mesh: fully_shard without mesh= shards over every "
                 "rank, tp ranks included, which torch refuses for parameters already split over mesh['tp'].")
@@ -341,8 +345,11 @@ def check_fsdp_over_dp_shard_cp(results, name):
             if ".moe.experts." in pname:
                 continue
             where = f"rank {rank} ({name}): {pname} is "
-            assert e["dims"], (where + "a plain tensor: FSDP makes every weight a DTensor; every block and the "
-                               "model itself are FSDP units (fully_shard on the blocks, then on the model)")
+            unsharded = not e["dims"] or set(e["dims"]) <= {"tp"}
+            assert not unsharded, (where + ("a plain tensor" if not e["dims"] else f"on {e['dims']} only")
+                                   + ": not sharded by FSDP. Every block and the model itself are FSDP units: the "
+                                   "root's fully_shard takes what no block holds (the embedding, the final norm, "
+                                   "the output layer)")
             ranks = set(e["ranks"])
             assert ranks <= allowed, (
                 where + f"spread over ranks {sorted(ranks)}, beyond its data-parallel (and tp) ranks {sorted(allowed)}: "
