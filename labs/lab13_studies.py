@@ -2,12 +2,14 @@
 group, each part's result reported under its name ({"unsolved": ...} while `parallelize` is a
 stub).
 
-Run:  ./run.sh 13      (alone: NPROC=8 ./run.sh labs/lab13_studies.py; smoke mode: 4 ranks)
+Run:  ./run.sh 13      (alone: NPROC=8 ./run.sh labs/lab13_studies.py, or NPROC=4; the notebook
+                        runs it on 8 ranks, 4 in smoke mode)
 
 Parts (`MESHES` says which mesh each uses on 8 and on 4 ranks):
 - "composed": the grown-up model on the 5-D mesh against one process, then training on;
 - "pipelined": the pp variant against one process, and FSDP under the pipeline with and without
-  `reshard_after_forward`: the peak bytes during a step and the all-gathers (`reshard_study`);
+  `reshard_after_forward`: the peak bytes during a step, the parameters held between forwards
+  and the all-gathers (`reshard_study`);
 - "hsdp": HSDP against plain FSDP on the same ranks: bytes per step by dimension, and the bytes
   whose group crosses the boundary between the two halves of the ranks, where a replica ends
   (`hsdp_study`);
