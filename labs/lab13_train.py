@@ -387,7 +387,8 @@ def main(argv=None) -> None:
             print(f"max differences: loss {out['max_loss_rel_diff']:.1e} (relative, tolerance {LOSS_RTOL:g}), first "
                   f"gradients {out['max_grad_diff']:.1e} ({GRAD_ATOL:g}), parameters {out['max_param_diff']:.1e} "
                   f"({PARAM_ATOL:g}), biases {out['bias_diff']:.1e}", flush=True)
-            table([{"dimension": d, **{f"{k} calls": v for k, v in t["calls"].items()}, "sent KiB": t["sent_bytes"] / 2**10}
+            kinds = sorted({k for t in out["traffic"].values() for k in t["calls"]})
+            table([{"dimension": d, **{f"{k} calls": t["calls"].get(k, 0) for k in kinds}, "sent KiB": t["sent_bytes"] / 2**10}
                    for d, t in out["traffic"].items()], title="rank 0: one step's collectives by mesh dimension")
         if not passed(out):
             raise RuntimeError(f"rank {ctx.rank}: the composed run differs from one process beyond the tolerances")
