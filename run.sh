@@ -10,14 +10,15 @@ usage() {
   cat <<'EOF'
 usage: ./run.sh [COMMAND] [ARGS...]
 
-  (nothing)            set up what is missing, then run every lab in order on NPROC ranks
-  NN                   run lab NN (every labs/labNN_*.py), e.g. ./run.sh 03
-  path/to/script.py    run your own script under torchrun with the course defaults
+  (nothing)            set up what is missing, then every lab in order at the tour's small sizes
+  NN                   run lab NN (every labs/labNN_*.py) at full size, e.g. ./run.sh 03
+  path/to/script.py    run a lab or your own script under torchrun with the course defaults
+                       (a lab's sizes are flags: ./run.sh labs/lab03_ddp.py --help)
   test                 run every test and execute every notebook (smoke sizes), as CI does
   check [NN]           run the public checks of your exercises (all labs, or lab NN)
   submit               run the checks and pack your work into an archive to hand in
   jupyter              start JupyterLab in this repository
-  update               get the course's latest version (git pull), keeping your work
+  update               get the course's latest version, keeping a copy of each notebook it replaces
   release DIR          (instructors) write the student edition into DIR
   grade ARCHIVE... --out DIR   (instructors) grade submissions
   -h, --help           this text
@@ -125,23 +126,33 @@ find_python() {
 # (helpers/notebook_filter.py). Checkouts with an older filter get this one on the next run.
 install_notebook_filter() {
   git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1 || return 0
-  "$PY" -c 'import nbstripout' 2>/dev/null || return 0
   local filter="\"$PY\" -m helpers.notebook_filter"  # 0.5 s a notebook
   [[ "$(git -C "$ROOT" config --get filter.nbstripout.clean 2>/dev/null)" == "$filter" && \
      "$(git -C "$ROOT" config --get diff.ipynb.textconv 2>/dev/null)" == "$filter" ]] && return 0
+  # (found, not imported: importing nbstripout takes seconds)
+  "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("nbstripout") is None)' \
+    2>/dev/null || return 0
   git -C "$ROOT" config filter.nbstripout.clean "$filter"
   git -C "$ROOT" config filter.nbstripout.smudge cat
   git -C "$ROOT" config diff.ipynb.textconv "$filter"
   echo "run.sh: installed the nbstripout git filter: notebook outputs, and the metadata JupyterLab rewrites, never show as changes"
 }
 
-# The grading tests (instructor edition: tests/test_homework_grading.py) sandbox submissions with
-# bubblewrap, one OS package: `./run.sh test` installs it where it can (as root, with apt-get or
-# dnf), quietly but for one line, and otherwise stops before any test with the command to run.
+# Grading sandboxes each submission with bubblewrap, one OS package, and so do the grading tests
+# (instructor edition: tests/test_homework_grading.py): `./run.sh grade` (unless --unsafe) and
+# `./run.sh test` install it where they can (as root, with apt-get or dnf), quietly but for one
+# line, and otherwise stop before anything runs with the command to run. One rule for both.
 GRADING_TESTS="tests/test_homework_grading.py"
 INSTALL_BWRAP="sudo apt-get install bubblewrap (Debian, Ubuntu) or sudo dnf install bubblewrap (Fedora)"
 ensure_bubblewrap() {
-  [[ -f "$GRADING_TESTS" ]] || return 0  # the student edition has no grading tests
+  local who why
+  if [[ "$cmd" == test ]]; then
+    [[ -f "$GRADING_TESTS" ]] || return 0  # the student edition has no grading tests
+    who="the grading tests need bubblewrap (bwrap)"; why="the grading tests sandbox submissions with it"
+  else
+    who="grading needs bubblewrap (bwrap) to sandbox each submission (or --unsafe, on a throwaway machine only)"
+    why="grading sandboxes each submission with it"
+  fi
   command -v bwrap >/dev/null 2>&1 && return 0
   local manager="" log
   if [[ "$(id -u)" == "0" ]]; then
@@ -150,11 +161,11 @@ ensure_bubblewrap() {
     fi
   fi
   if [[ -z "$manager" && "$(id -u)" != "0" ]]; then
-    die "the grading tests need bubblewrap (bwrap), which is missing; installing it needs root: run $INSTALL_BWRAP, then ./run.sh test again"
+    die "$who, which is missing; installing it needs root: run $INSTALL_BWRAP, then ./run.sh $cmd again"
   elif [[ -z "$manager" ]]; then
-    die "the grading tests need bubblewrap (bwrap), which is missing, and neither apt-get nor dnf is here to install it: install the OS package bubblewrap (e.g. $INSTALL_BWRAP), then ./run.sh test again"
+    die "$who, which is missing, and neither apt-get nor dnf is here to install it: install the OS package bubblewrap (e.g. $INSTALL_BWRAP), then ./run.sh $cmd again"
   fi
-  echo "run.sh: installing bubblewrap with $manager (the grading tests sandbox submissions with it)"
+  echo "run.sh: installing bubblewrap with $manager ($why)"
   log="$(mktemp)"
   if [[ "$manager" == apt-get ]]; then
     # the package lists may be missing or stale (fresh containers): update them if the first try fails
@@ -166,7 +177,7 @@ ensure_bubblewrap() {
   if ! command -v bwrap >/dev/null 2>&1; then
     tail -n 5 "$log" >&2
     rm -f "$log"
-    die "installing bubblewrap with $manager failed ($manager's last lines above): run $INSTALL_BWRAP, then ./run.sh test again"
+    die "installing bubblewrap with $manager failed ($manager's last lines above): run $INSTALL_BWRAP, then ./run.sh $cmd again"
   fi
   rm -f "$log"
 }
@@ -184,6 +195,9 @@ except SandboxUnavailable as exc:
 }
 
 if [[ "$cmd" == test ]]; then ensure_bubblewrap; fi
+if [[ "$cmd" == grade && " $* " != *" --unsafe "* && " $* " != *" -h "* && " $* " != *" --help "* ]]; then
+  ensure_bubblewrap
+fi
 find_python
 install_notebook_filter
 export COURSE_PYTHON="$PY"
@@ -215,22 +229,10 @@ case "$cmd" in
     ;;
   check|submit|release|grade) shift; exec "$PY" -m homework "$cmd" "$@" ;;
   update)
+    # The course's latest version, and nothing you wrote or ran lost: helpers/update.py says how
+    # (a notebook the course changed is set aside in runs/notebook-outputs/ before it is updated)
     shift
-    # A notebook you only ran differs from the committed one by its outputs alone (git diff, through
-    # the nbstripout filter, shows nothing), yet git would refuse to pull over it. Keep a copy of it
-    # with its outputs in runs/notebook-outputs/, restore the committed file, then pull. Notebooks
-    # you edited, and your labs, are left to git's merge.
-    git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1 || die "not a git checkout: nothing to update"
-    mkdir -p runs/notebook-outputs
-    while IFS= read -r nb; do
-      [[ -z "$nb" ]] && continue
-      if git diff --quiet -- "$nb"; then
-        cp "$nb" "runs/notebook-outputs/$(basename "$nb")"
-        git checkout -q -- "$nb"
-        echo "run.sh: $nb: only outputs changed; kept a copy in runs/notebook-outputs/"
-      fi
-    done < <(git status --porcelain -- 'notebooks/*.ipynb' | sed -n 's/^ M //p')
-    exec git pull "$@"
+    exec "$PY" -m helpers.update "$@"
     ;;
   jupyter)
     shift
@@ -240,8 +242,12 @@ case "$cmd" in
       extra+=(--allow-root)
     fi
     # the course's JupyterLab defaults (.jupyter/settings/overrides.json): widget state is saved
-    # with the notebook, so a reopened notebook shows its widgets instead of "model not found"
+    # with the notebook (a reopened notebook shows its widgets while it can); no pop-up asking
+    # about Jupyter's news over a first notebook. After each save, git's index is refreshed, so
+    # a notebook that was only run and saved does not show as modified (helpers/notebook_filter.py)
     exec "$PY" -m jupyter lab --ServerApp.root_dir="$ROOT" \
-      --LabApp.app_settings_dir="$ROOT/.jupyter/settings" ${extra[@]+"${extra[@]}"} "$@"
+      --LabApp.app_settings_dir="$ROOT/.jupyter/settings" \
+      --ContentsManager.post_save_hook=helpers.notebook_filter.after_save \
+      ${extra[@]+"${extra[@]}"} "$@"
     ;;
 esac

@@ -1,10 +1,12 @@
-"""What a process sends, counted: point-to-point messages and built-in collectives.
+"""What a process sends, counted: point-to-point messages and collectives, as views over the
+course's one traffic instrument (helpers/traffic.py's TrafficMeter); and counters that the code
+under study calls itself.
 
     with count_p2p() as traffic:              # a hand-written collective (notebook 04)
         ring_all_reduce(x)
-    traffic.sent_bytes, traffic.send_peers    # and any built-in collective inside raised
+    traffic.sent_bytes, traffic.send_peers    # and any collective inside raised
 
-    with count_collectives() as log:          # a training step (notebooks 08-10)
+    with count_collectives() as log:          # a training step (notebooks 08-11)
         step()
     summarize(log)                            # {"calls": {"all_gather": 8, ...}, "sent_bytes": ...}
     log.ops                                   # [(ProcessGroup method, input bytes), ...] in order
@@ -13,12 +15,14 @@
     comm.all_reduce_sum(bucket, async_op=True).wait(); comm.bytes, comm.timeline
     log = CommLog(); log.record("all_gather", out, n)   # notebook 05's layers, by pass
 
-Every route into torch.distributed ends in a method of `ProcessGroup`: `dist.send` and
-`batch_isend_irecv` in `send`/`recv`, `dist.all_reduce` in `allreduce`, `all_gather_into_tensor`
-in `all_gather_single` (or `_allgather_base`), and so on. `patched()` wraps such methods on the
-class for the length of a block and puts them back after; the operations really run: this counts,
-it does not fake. Code that calls the backend from C++ (DDP's reducer) is not seen. Not thread-safe
-against other threads using torch.distributed meanwhile.
+`count_p2p` and `count_collectives` see what a TrafficMeter sees (its docstring says what, and
+what not, measured): explicit calls on any group, DTensor's own collectives, FSDP2's, the
+pipeline's messages, DDP's C++ reducer, on the thread that entered the block. A collective's
+"method" is the ProcessGroup method behind a c10d call ("allreduce", "_allgather_base"...) or a
+functional collective's operator ("all_reduce", "all_gather_into_tensor": DTensor's).
+
+`patched()` wraps ProcessGroup methods for a block, for code that needs a call's own arguments
+(notebook 11's all-to-all recorder and ring trace); the calls really run.
 
 Bytes sent by a collective are those of a bandwidth-optimal ring (notebook 04): `RING_SHARE[kind]`
 bytes per byte of its size, the size being nccl-tests' (all-gather: its output; reduce-scatter:
@@ -29,53 +33,16 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-# Bytes each rank sends, per byte of the collective's size, with ring (or pipelined) algorithms.
-RING_SHARE: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,   # a reduce-scatter, then an all-gather
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "broadcast": lambda n: (n - 1) / n,
-}
+from helpers.traffic import P2P_KINDS, RING_SHARE, Call, TrafficMeter, ring_bytes_sent, tensor_bytes
 
-
-def ring_bytes_sent(kind: str, size_bytes: float, world_size: int) -> float:
-    """Bytes each of `world_size` ranks sends for one ring collective of `size_bytes`."""
-    return RING_SHARE[kind](world_size) * size_bytes
-
-
-# ProcessGroup method -> (kind, argument holding the size, argument holding this rank's input).
-# A kind outside RING_SHARE (gather, alltoall...) is counted with its input bytes as sent.
-COLLECTIVE_METHODS: dict[str, tuple[str, int | None, int | None]] = {
-    "allreduce": ("all_reduce", 0, 0), "allreduce_coalesced": ("all_reduce", 0, 0),
-    "broadcast": ("broadcast", 0, 0), "reduce": ("reduce", 0, 0),
-    "allgather": ("all_gather", 0, 1), "_allgather_base": ("all_gather", 0, 1),
-    "all_gather_single": ("all_gather", 0, 1), "allgather_coalesced": ("all_gather", 0, 1),
-    "all_gather_single_coalesced": ("all_gather", 0, 1),
-    "allgather_into_tensor_coalesced": ("all_gather", 0, 1),
-    "reduce_scatter": ("reduce_scatter", 1, 1), "_reduce_scatter_base": ("reduce_scatter", 1, 1),
-    "reduce_scatter_single": ("reduce_scatter", 1, 1),
-    "reduce_scatter_single_coalesced": ("reduce_scatter", 1, 1),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1, 1),
-    "gather": ("gather", 1, 1), "scatter": ("scatter", 1, 1),
-    "alltoall": ("all_to_all", 1, 1), "alltoall_base": ("all_to_all", 1, 1),
-    "all_to_all_single": ("all_to_all", 1, 1),
-    "barrier": ("barrier", None, None), "monitored_barrier": ("barrier", None, None),
-}
-
-
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor in `obj` (a tensor or nested lists/tuples of them); a DTensor counts
-    its local shard."""
-    if isinstance(obj, torch.Tensor):
-        return (obj.to_local() if hasattr(obj, "to_local") else obj).nbytes
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(o) for o in obj)
-    return 0
+__all__ = ["RING_SHARE", "ring_bytes_sent", "tensor_bytes", "patched", "CollectiveUsed", "Message",
+           "Traffic", "count_p2p", "Collective", "CollectiveLog", "count_collectives", "summarize",
+           "CountingComm", "mark_finish", "CountedWork", "LoggedCollective", "CommLog"]
 
 
 @contextlib.contextmanager
@@ -101,7 +68,7 @@ def patched(makers: dict[str, Callable[[Callable], Callable]],
 
 # ----------------------------------------------------------------------------- point-to-point
 class CollectiveUsed(RuntimeError):
-    """Raised inside `count_p2p()` when code calls a built-in collective."""
+    """Raised inside `count_p2p()` when code calls a collective."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +85,7 @@ class Message:
 class Traffic:
     """Every point-to-point message one process sent or received inside `count_p2p()`."""
     messages: list[Message] = field(default_factory=list)
+    meter: TrafficMeter | None = None   # the instrument behind it (every call, by dimension)
 
     def _of(self, direction: str) -> list[Message]:
         return [m for m in self.messages if m.direction == direction]
@@ -151,61 +119,30 @@ class Traffic:
                 "recvs": self.recvs, "send_peers": self.send_peers, "recv_peers": self.recv_peers}
 
 
-def _global_rank(group, group_rank: int) -> int | None:
-    try:
-        return dist.get_global_rank(group, group_rank)
-    except (RuntimeError, ValueError):
-        return None
-
-
 @contextlib.contextmanager
 def count_p2p(forbid_collectives: bool = True) -> Iterator[Traffic]:
     """Record this process's point-to-point messages (send, recv, isend, irecv,
-    batch_isend_irecv, on any group and backend); optionally make collectives raise."""
+    batch_isend_irecv, on any group and backend); optionally make collectives raise
+    `CollectiveUsed` before they run (explicit ones and DTensor's alike)."""
     traffic = Traffic()
 
-    def record(direction: str, group, peer: int | None, tensors) -> None:
-        global_peer = None if peer is None else _global_rank(group, peer)
-        traffic.messages.append(Message(direction, peer, global_peer, tensor_bytes(tensors),
-                                        group.rank(), group.size()))
+    def on_call(call: Call) -> None:
+        if call.kind in P2P_KINDS:
+            traffic.messages.append(Message(call.kind, call.peer, call.global_peer, call.nbytes,
+                                            call.group_rank, call.group_size))
+        elif forbid_collectives:
+            raise CollectiveUsed(f"a built-in collective ({call.method}) was called inside count_p2p();"
+                                 " only point-to-point operations are allowed here")
 
-    def make_send(original):
-        def send(self, tensors, dst, tag=0):
-            record("send", self, dst, tensors)
-            return original(self, tensors, dst, tag)
-        return send
-
-    def make_recv(original):
-        def recv(self, tensors, src, tag=0):
-            record("recv", self, src, tensors)
-            return original(self, tensors, src, tag)
-        return recv
-
-    def make_recv_anysource(original):
-        def recv_anysource(self, tensors, tag=0):
-            record("recv", self, None, tensors)
-            return original(self, tensors, tag)
-        return recv_anysource
-
-    def make_forbidden(name):
-        def make(_original):
-            def forbidden(self, *args, **kwargs):
-                raise CollectiveUsed(f"a built-in collective ({name}) was called inside count_p2p();"
-                                     " only point-to-point operations are allowed here")
-            return forbidden
-        return make
-
-    makers = {"send": make_send, "recv": make_recv, "recv_anysource": make_recv_anysource}
-    if forbid_collectives:
-        makers.update({name: make_forbidden(name) for name in COLLECTIVE_METHODS})
-    with patched(makers, required=("send", "recv", "recv_anysource")):
+    with TrafficMeter(on_call=on_call) as meter:
+        traffic.meter = meter
         yield traffic
 
 
 # ----------------------------------------------------------------------------- collectives
 @dataclass(frozen=True)
 class Collective:
-    method: str        # the ProcessGroup method called
+    method: str        # the ProcessGroup method called (or the functional collective's operator)
     kind: str          # all_reduce, all_gather, reduce_scatter, broadcast, gather, barrier...
     nbytes: int        # its size (nccl-tests' convention)
     input_bytes: int   # this rank's input tensors
@@ -216,13 +153,18 @@ class Collective:
         """Bytes this rank sends (a ring; the input where no ring share is defined)."""
         if self.kind in RING_SHARE:
             return ring_bytes_sent(self.kind, self.nbytes, self.world_size)
-        return float(self.input_bytes)
+        return 0.0 if self.kind == "barrier" else float(self.input_bytes)
 
 
 class CollectiveLog(list):
-    """The `Collective`s issued inside `count_collectives()`, in order."""
+    """The `Collective`s issued inside `count_collectives()`, in order; `meter` is the
+    TrafficMeter behind it (messages too, by dimension)."""
 
-    counting = True
+    meter: TrafficMeter | None = None
+
+    @property
+    def counting(self) -> bool:
+        return self.meter is None or self.meter.counting
 
     @property
     def ops(self) -> list[tuple[str, int]]:
@@ -234,36 +176,23 @@ class CollectiveLog(list):
         """Bytes this rank handed to the collectives (what a check "costs" before any algorithm)."""
         return sum(c.input_bytes for c in self)
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager:
         """Stop counting for a nested block (e.g. a training step inside a checker)."""
-        before, self.counting = self.counting, False
-        try:
-            yield
-        finally:
-            self.counting = before
+        return self.meter.paused() if self.meter is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
 def count_collectives() -> Iterator[CollectiveLog]:
-    """Record every built-in collective this process issues from Python inside the block
-    (hand-written code, ZeroRedundancyOptimizer, FSDP2, object collectives...)."""
+    """Record every collective this process issues inside the block (hand-written code,
+    ZeroRedundancyOptimizer, FSDP2, DTensor's, DDP's reducer, object collectives...)."""
     log = CollectiveLog()
 
-    def make(method: str):
-        kind, size_arg, input_arg = COLLECTIVE_METHODS[method]
+    def on_call(call: Call) -> None:
+        if call.kind not in P2P_KINDS:
+            log.append(Collective(call.method, call.kind, call.nbytes, call.input_bytes, call.group_size))
 
-        def wrap(original):
-            def counted(self, *args, **kwargs):
-                if log.counting:
-                    def arg(i):
-                        return tensor_bytes(args[i]) if i is not None and len(args) > i else 0
-                    log.append(Collective(method, kind, arg(size_arg), arg(input_arg), self.size()))
-                return original(self, *args, **kwargs)
-            return counted
-        return wrap
-
-    with patched({method: make(method) for method in COLLECTIVE_METHODS}):
+    with TrafficMeter(on_call=on_call) as meter:
+        log.meter = meter
         yield log
 
 

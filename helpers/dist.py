@@ -31,6 +31,13 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+# Before any group exists: torch.distributed.nn's functions take `group=group.WORLD` as a default,
+# evaluated when it is first imported. Imported after init_process_group (torch._dynamo imports it,
+# and building the first optimizer imports torch._dynamo), every one of those defaults holds the
+# default group, so destroy_process_group() cannot free it: gloo's worker and transport threads
+# then live on into the interpreter's exit, which now and then aborts ("terminate called without
+# an active exception"). Imported here, the defaults are None and the group dies at teardown.
+import torch.distributed.nn  # noqa: F401,E402
 
 from helpers.config import settings
 
@@ -169,6 +176,7 @@ def setup(timeout_s: float | None = None) -> DistContext:
 
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        _short_default_timeout(timeout)
         if launched:
             dist.init_process_group(choice.backend, rank=rank, world_size=world_size, timeout=timeout)
         else:  # one process, no rendezvous: an in-memory store is enough
@@ -201,21 +209,25 @@ MESH_AXES: dict[str, str] = {
 }
 
 
-def new_group(ranks: list[int] | None = None, *, name: str,
-              backend: str | None = None) -> dist.ProcessGroup:
-    """`dist.new_group` with DIST_TIMEOUT (torch's default for a new group is 30 minutes on gloo,
-    whatever the default group's timeout) and `name` as its description (torch's `group_desc`, which
-    the flight recorder and error messages show). Every rank of the default group must call it, in
-    the same order, even ranks that are not in `ranks`."""
-    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_seconds()),
-                          backend=backend, group_desc=name)
+def new_group(ranks: list[int] | None = None, *, name: str, backend: str | None = None,
+              timeout_s: float | None = None) -> dist.ProcessGroup:
+    """`dist.new_group` with DIST_TIMEOUT (or `timeout_s`: lab 10's planted hangs give up sooner)
+    and `name` as its description (torch's `group_desc`, which the flight recorder keeps and a
+    timeout's message names: see `explain_timeout`). Every rank of the default group must call
+    it, in the same order, even ranks that are not in `ranks`."""
+    if not name or not isinstance(name, str):
+        raise ValueError("a group needs a name (e.g. name=\"checksums\"): a timeout's message names it")
+    seconds = timeout_seconds() if timeout_s is None else timeout_s
+    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=seconds), backend=backend,
+                          group_desc=name)
 
 
 def device_mesh(device_type: str | torch.device, **sizes: int):
     """A DeviceMesh over every rank, its dimensions named and sized by `sizes` in order, e.g.
     `device_mesh("cpu", pp=2, dp=2, tp=2)`; names from MESH_AXES. Its groups time out after
-    DIST_TIMEOUT: `init_device_mesh` makes them with torch's default (read from
-    `distributed_c10d.default_pg_timeout` when each group is made), replaced while the mesh is made."""
+    DIST_TIMEOUT: `init_device_mesh` makes them with torch's default timeout, which `setup()` sets
+    to DIST_TIMEOUT (and this sets again while the mesh is made, for a group set up elsewhere).
+    torch names each dimension's groups `mesh_<dim>`, which a timeout's message shows."""
     from unittest import mock
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -242,9 +254,120 @@ def device_mesh(device_type: str | torch.device, **sizes: int):
         return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
 
 
+# torch's default timeout for groups made without one (`distributed_c10d.default_pg_timeout`, read
+# each time a group is made: 30 minutes on gloo, 10 on nccl) as it was before setup() shortened it.
+_TORCH_DEFAULT_TIMEOUTS: tuple | None = None
+
+
+def _short_default_timeout(timeout: datetime.timedelta) -> None:
+    """Make DIST_TIMEOUT torch's default for every group made without a timeout of its own: those
+    torch makes itself (a DeviceMesh's dimensions and `_flatten`, FSDP's, pipelining's) and those
+    code outside the course makes with a bare `dist.new_group(ranks)`. A group made with an
+    explicit timeout keeps it (lab 10's planted hangs)."""
+    global _TORCH_DEFAULT_TIMEOUTS
+    c10d = dist.distributed_c10d
+    if _TORCH_DEFAULT_TIMEOUTS is None:
+        _TORCH_DEFAULT_TIMEOUTS = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
+    c10d.default_pg_timeout = timeout
+    if c10d.default_pg_nccl_timeout is not None:  # None on a build without nccl
+        c10d.default_pg_nccl_timeout = timeout
+
+
 def teardown() -> None:
+    """Destroy every process group (their gloo threads are joined then, while Python is whole)
+    and put torch's default timeout back."""
+    global _TORCH_DEFAULT_TIMEOUTS
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _TORCH_DEFAULT_TIMEOUTS is not None:
+        c10d = dist.distributed_c10d
+        c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = _TORCH_DEFAULT_TIMEOUTS
+        _TORCH_DEFAULT_TIMEOUTS = None
+
+
+# ----------------------------------------------------------------------------- a timeout, named
+def waited_collectives() -> list[dict]:
+    """The collectives this process may be waiting in, from torch's flight recorder (on by
+    default, gloo included, in torch 2.13: helpers/flight_recorder.py), as
+    [{"op", "seq", "group", "desc", "ranks", "timeout_s", "sizes"}, ...]: those not completed,
+    oldest first (it keeps, per process group, the last collective enqueued and the last
+    completed); or, when there is none (gloo marks a collective that timed out as completed, at
+    times before its waiter hears of it), the last one this thread issued. Each names its group by
+    its `group_desc` (`new_group(name=...)`, `mesh_tp` for a mesh's tp dimension, `default_pg`), so
+    groups torch makes itself are named too. gloo's send and recv are not recorded. Empty when
+    the recorder is off (TORCH_FR_BUFFER_SIZE=0)."""
+    import pickle
+    import threading
+
+    try:
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))
+    except Exception:  # noqa: BLE001  (recorder off, or a torch without it: nothing to say)
+        return []
+    ranks_of = {}
+    with contextlib.suppress(Exception):
+        ranks_of = {pg.group_name: sorted(r) for pg, r in dist.distributed_c10d._world.pg_group_ranks.items()
+                    if isinstance(pg, dist.ProcessGroup)}
+
+    def described(entry: dict) -> dict:
+        name, desc = entry["process_group"]
+        return {"op": entry["profiling_name"].split(":")[-1], "seq": entry["collective_seq_id"],
+                "group": name, "desc": desc, "ranks": ranks_of.get(name),
+                "timeout_s": entry["timeout_ms"] / 1000, "sizes": entry["input_sizes"]}
+
+    entries = [e for e in dump.get("entries", []) if not e.get("is_p2p")]
+    unfinished = []
+    for pg_id, status in dump.get("pg_status", {}).items():
+        first = status.get("last_completed_collective", -1) + 1
+        if status.get("last_enqueued_collective", -1) >= first:
+            unfinished += [e for e in entries
+                           if str(e["pg_id"]) == str(pg_id) and e["collective_seq_id"] == first]
+    if unfinished:
+        return [described(e) for e in sorted(unfinished, key=lambda e: e["time_created_ns"])]
+    mine = [e for e in entries if str(e.get("thread_id")) == str(threading.get_ident())]
+    return [described(mine[-1])] if mine else []
+
+
+def describe_group(desc: str, ranks: list[int] | None) -> str:
+    """"group 'checksums' (ranks [1, 2])", "the mesh's 'tp' dimension (ranks [2, 3])"."""
+    where = f"the mesh's '{desc[5:]}' dimension" if desc.startswith("mesh_") else f"group '{desc}'"
+    return where + (f" (ranks {ranks})" if ranks is not None else "")
+
+
+# How a collective's timeout reads: gloo's wait ("Timed out waiting 60000ms for recv operation to
+# complete"), nccl's watchdog ("Watchdog caught collective operation timeout").
+_TIMED_OUT = ("timed out waiting", "operation timeout")
+
+
+def explain_timeout(exc: BaseException, rank: int) -> BaseException:
+    """A collective's timeout (gloo: "Timed out waiting 60000ms for recv operation to complete",
+    which names no group) gets the rank and the collective it waited in written into its message:
+    "rank 2 waited 60 s in all_reduce #3 of the mesh's 'tp' dimension (ranks [2, 3]), which another
+    rank of it has not joined; gloo: Timed out ...". The exception keeps its type and
+    traceback (the launcher locates it in the labs); any other exception is returned as it was."""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not any(t in text.lower() for t in _TIMED_OUT) \
+            or text.startswith(f"rank {rank} waited"):  # explained already
+        return exc
+    backend = "gloo" if "gloo" in text or "unbound_buffer" in text else "torch"
+    said = f"{backend}: {error_line(exc).split(': ', 1)[1]}"
+    waiting = waited_collectives()
+    if not waiting:  # gloo's send and recv are not in the flight recorder
+        if "operation to complete" not in text:  # not gloo's wait: nothing sure to add
+            return exc
+        with contextlib.suppress(Exception):
+            exc.args = (f"rank {rank} waited in no collective the flight recorder saw (a send or recv, "
+                        f"which it does not record on gloo?); {said}", *exc.args[1:])
+        return exc
+    first = waiting[0]
+    line = (f"rank {rank} waited {first['timeout_s']:g} s in {first['op']} #{first['seq']} of "
+            f"{describe_group(first['desc'], first['ranks'])}, which another rank of it has not "
+            "joined")
+    others = [f"{w['op']} #{w['seq']} of {describe_group(w['desc'], w['ranks'])}" for w in waiting[1:]]
+    if others:
+        line += f" (also unfinished: {'; '.join(others)})"
+    with contextlib.suppress(Exception):
+        exc.args = (f"{line}; {said}", *exc.args[1:])
+    return exc
 
 
 def record_error(rank: int, exc: BaseException) -> None:
@@ -270,6 +393,7 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
     try:
         yield ctx
     except BaseException as exc:
+        explain_timeout(exc, ctx.rank)  # names the rank and the group a collective timed out in
         record_error(ctx.rank, exc)
         print(f"[rank {ctx.rank}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         raise

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers.dist import error_line
+from helpers.dist import error_line, new_group
 from helpers.flight_recorder import flight_recorder_size, flight_records
 
 BUGS = {
@@ -248,8 +248,8 @@ def run_jobs(jobs: list[tuple[str, int, int]], rank: int, world_size: int) -> li
         if bug not in BUGS or not 2 <= job_world <= world_size:
             raise ValueError(f"job {(bug, seed, job_world)}: the bug must be one of BUGS and the job's "
                              f"world size within 2..{world_size}")
-    groups = [dist.new_group(list(range(job_world)), backend="gloo")  # in the same order on every rank
-              for _, _, job_world in jobs]
+    groups = [new_group(list(range(job_world)), name=f"job {i}", backend="gloo")  # same order everywhere
+              for i, (_, _, job_world) in enumerate(jobs)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(run_job, bug, seed, rank, job_world, group, torch.device("cpu"))
                    if rank < job_world else None for (bug, seed, job_world), group in zip(jobs, groups)]

@@ -14,13 +14,24 @@ pull. run.sh installs it, in this checkout only, as the clean filter and as the 
 
 Every notebook runs on the course's kernel ("python3": nbmake and CI ask for it by that name), so
 the filter sets that kernelspec whatever kernel the file was saved with.
+
+Git looks at a file's size and time before its content: a notebook saved with outputs has a new
+size, so `git status` would list it as modified (and `git pull` refuse it) though the filter sees
+no change. `refresh_index` makes git look at the content instead; JupyterLab runs it after every
+save (`after_save`, the post-save hook `./run.sh jupyter` sets), `./run.sh update` before it
+pulls, and so can anyone:
+
+    python -m helpers.notebook_filter --refresh notebooks/*.ipynb
 """
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import threading
 import warnings
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 import helpers.lean_imports  # noqa: F401  (nbformat without its slow optional import)
 
@@ -60,10 +71,73 @@ def clean(text: str) -> str:
     return out if out.endswith("\n") else out + "\n"
 
 
+def refresh_index(root: Path, paths: Sequence[str]) -> None:
+    """Make git compare the tracked files `paths` (relative to the checkout `root`) by content.
+
+    Each one whose size or time differs from its index entry (`git diff-files`, which reads no
+    content) has that entry written again with the same blob and no stat data (`git
+    update-index --cacheinfo`: what is staged does not change); then the index is refreshed: git
+    reads each such file through the filter once and records its size and time if the content
+    matches, so a notebook that was only run and saved no longer shows as modified; one with
+    edits still does. Untracked paths are left alone. CalledProcessError if git fails (another
+    git command holding the index, say)."""
+    if not paths:
+        return  # (git with no path would take every file)
+    git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                       check=True, timeout=60).stdout
+    stale = list(filter(None, git("diff-files", "--name-only", "-z", "--", *paths).split("\0")))
+    if not stale:
+        return
+    listed = git("ls-files", "--stage", "-z", "--", *stale)
+    entries = []
+    for record in filter(None, listed.split("\0")):
+        info, path = record.split("\t", 1)
+        mode, blob, stage = info.split()
+        if stage == "0":  # not a merge conflict's side
+            entries += ["--cacheinfo", f"{mode},{blob},{path}"]
+    if not entries:
+        return
+    git("update-index", *entries)
+    # -q: files that do differ are not an error; they stay listed as modified, as they should
+    subprocess.run(["git", "update-index", "-q", "--refresh"], cwd=root, capture_output=True,
+                   timeout=600)
+
+
+_refreshing = threading.Lock()  # one refresh at a time (they share git's index lock)
+
+
+def after_save(os_path: str, model: dict | None = None, contents_manager: Any = None,
+               **_: Any) -> None:
+    """JupyterLab's post-save hook (`--ContentsManager.post_save_hook`, set by `./run.sh
+    jupyter`): a saved notebook in a git checkout gets `refresh_index`, in a thread of its own
+    (a second or so of the filter's time; the save does not wait), and any failure is ignored
+    (the next save, or `./run.sh update`, refreshes it again)."""
+    if not str(os_path).endswith(".ipynb"):
+        return
+
+    def refresh() -> None:
+        path = Path(os_path).resolve()
+        with _refreshing:
+            try:
+                top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path.parent,
+                                     capture_output=True, text=True, timeout=60)
+                if top.returncode == 0:
+                    root = Path(top.stdout.strip()).resolve()
+                    refresh_index(root, [path.relative_to(root).as_posix()])
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass
+
+    threading.Thread(target=refresh, name="course-refresh-index", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--refresh"]:
+        refresh_index(Path.cwd(), argv[1:])
+        return 0
     if len(argv) > 1 or (argv and argv[0].startswith("-")):
-        print("usage: python -m helpers.notebook_filter [NOTEBOOK]  (no NOTEBOOK: stdin to stdout)",
-              file=sys.stderr)
+        print("usage: python -m helpers.notebook_filter [NOTEBOOK]  (no NOTEBOOK: stdin to stdout)\n"
+              "       python -m helpers.notebook_filter --refresh NOTEBOOK...  (git compares them "
+              "by content)", file=sys.stderr)
         return 2
     if argv:
         with open(argv[0], "rb") as f:

@@ -18,8 +18,9 @@ part's result or an `{"unsolved": message}` record the notebook later turns back
 with `solved(...)`.
 
 One notice per exercise: a notebook cell shows each exercise's notice once, however many of its
-results need that exercise, and a process (a lab's rank, a terminal run) prints its "[not done
-yet]" line once per exercise.
+results need that exercise, and a process (a lab's rank, a terminal run) prints its "[notice]"
+line once per exercise. The notice says "Exercise X is not done yet" once (not under a title
+that says it too).
 
 Stdlib only: the homework tooling and the test harness import this without torch.
 """
@@ -86,11 +87,19 @@ def notice_text(message: str) -> str:
             "this cell.")
 
 
+PLAIN_PREFIX = "[notice]"  # a notice's line on a terminal or in a log
+
+
 def notice_html(message: str) -> str:
-    """The notice as an HTML box (what `show_notice` displays in a notebook)."""
-    body = html.escape(notice_text(message)).replace("`", "")
+    """The notice as an HTML box (what `show_notice` displays in a notebook): its first sentence
+    in bold, said once."""
+    text = notice_text(message)
+    head, comma, rest = text.partition(", ")
+    if not comma or not head.startswith("Exercise "):
+        head, rest = "", text
+    body = (f"<b>{html.escape(head)}</b>, " if head else "") + html.escape(rest)
     return (f'<div class="{NOTICE_CLASS}" style="border-left: 6px solid #e0a800; background: #fff8e1; '
-            f'color: #333; padding: 8px 12px; margin: 4px 0;"><b>Exercise not done yet.</b> {body}</div>')
+            f'color: #333; padding: 8px 12px; margin: 4px 0;">{body.replace("`", "")}</div>')
 
 
 def exercise_name(message: str) -> str:
@@ -131,11 +140,11 @@ def show_notice(message: str) -> None:
         return
     text = notice_text(message)
     if cell is None:
-        print(f"[not done yet] {text}", flush=True)
+        print(f"{PLAIN_PREFIX} {text}", flush=True)
         return
     from IPython.display import display
 
-    display({"text/html": notice_html(message), "text/plain": f"[not done yet] {text}"}, raw=True)
+    display({"text/html": notice_html(message), "text/plain": f"{PLAIN_PREFIX} {text}"}, raw=True)
 
 
 @contextlib.contextmanager
@@ -156,8 +165,8 @@ def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     For labs that run several parts: the parts that need no exercise still run and report, and the
     notebook shows a notice for this one (`solved(...)`). Every rank must call it (the stub raises
-    on every rank alike, so no rank is left waiting in a collective). The process prints its "[not
-    done yet]" line once per exercise; in a notebook kernel it prints nothing (the cell that uses
+    on every rank alike, so no rank is left waiting in a collective). The process prints its
+    "[notice]" line once per exercise; in a notebook kernel it prints nothing (the cell that uses
     the record shows the notice)."""
     try:
         return fn(*args, **kwargs)
@@ -166,7 +175,7 @@ def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not message or not student_edition():
             raise
         if _notebook_cell() is None and _first_time(message, None):
-            print(f"[not done yet] {notice_text(message)}", flush=True)
+            print(f"{PLAIN_PREFIX} {notice_text(message)}", flush=True)
         return {"unsolved": message}
 
 

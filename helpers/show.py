@@ -147,21 +147,69 @@ DISCONNECTED_CLASS = "jupyter-widgets-disconnected"
 OFFLINE_NOTE_CLASS = "course-widgets-offline"
 OFFLINE_NOTE = ("These controls are a picture saved with the notebook: no running kernel is behind "
                 "them, so moving them does nothing. Run this cell to use the controls.")
+# The saved view: an ordinary HTML output after the controls, hidden while they are drawn.
+SAVED_VIEW_CLASS = "course-explorer-saved"
+SAVED_VIEW_NOTE = ("The controls of this explorer are gone: they live in the kernel that drew them, "
+                   "which has restarted or stopped since (JupyterLab keeps no widget across a "
+                   "kernel restart). Below is the last view, saved with the notebook. Run this "
+                   "cell to get the controls back.")
+CONTROLS_TEXT = "(the explorer's controls: they need the kernel that drew them)"
+_NOTE_STYLE = "color: #8a6d00; background: #fff8e1; border-left: 6px solid #e0a800; padding: 4px 10px"
 
 
-def offline_note() -> Any:
+def offline_note(key: str = "") -> Any:
     """A `widgets.HTML` to show above a group of controls that says "run this cell to use the
     controls" only where no kernel is behind them.
 
     Its text is in the saved widget state, so a reopened notebook shows it; its stylesheet hides
-    it unless the front end has marked the view disconnected, so a live cell shows nothing."""
+    it unless the front end has marked the view disconnected, so a live cell shows nothing. With
+    `key`, it also hides that explorer's `saved_view` wherever the controls are drawn."""
     import ipywidgets as widgets
 
     note, gone = OFFLINE_NOTE_CLASS, DISCONNECTED_CLASS
+    hide_saved = f" .{SAVED_VIEW_CLASS}.{_saved_class(key)} {{display: none}}" if key else ""
     return widgets.HTML(
-        f"<style>.{note} {{display: none}} .{gone} .{note} {{display: block; color: #8a6d00; "
-        f"background: #fff8e1; border-left: 6px solid #e0a800; padding: 4px 10px}}</style>"
+        f"<style>.{note} {{display: none}} .{gone} .{note} {{display: block; {_NOTE_STYLE}}}"
+        f"{hide_saved}</style>"
         f'<div class="{note}">{html.escape(OFFLINE_NOTE)}</div>')
+
+
+def _saved_class(key: str) -> str:
+    return f"{SAVED_VIEW_CLASS}-{key}"
+
+
+def saved_view(key: str, panel: str, settings: str = "") -> dict[str, str]:
+    """The explorer `key`'s last view as an ordinary output (a MIME bundle): a note saying the
+    controls are gone and to run the cell, the settings the view was drawn with, and the panel's
+    HTML (its figures are inline PNGs).
+
+    JupyterLab saves widget state only for widgets whose kernel is alive: after a kernel restart
+    the next save keeps none, and a reopened notebook shows "Error displaying widget: model not
+    found" where the controls were. This output survives: the controls' stylesheet
+    (`offline_note(key)`) hides it wherever the controls are drawn, and its own stylesheet hides
+    that error line (the output just before it with no element inside). An untrusted notebook
+    shows it without stylesheets: the note and the view, under the error line."""
+    mine = f".{SAVED_VIEW_CLASS}.{_saved_class(key)}"
+    style = (f"<style>.jp-OutputArea-child:has(+ .jp-OutputArea-child {mine})"
+             f":not(:has(.jp-OutputArea-output *)) {{display: none}}</style>")
+    shown = f"<div><i>{html.escape(settings)}</i></div>" if settings else ""
+    return {"text/html": f'<div class="{SAVED_VIEW_CLASS} {_saved_class(key)}">{style}'
+                         f'<div style="{_NOTE_STYLE}">{html.escape(SAVED_VIEW_NOTE)}</div>'
+                         f"{shown}{panel}</div>",
+            "text/plain": f"{SAVED_VIEW_NOTE}\n{settings}".strip()}
+
+
+def control_settings(controls: Sequence[Any]) -> str:
+    """'ranks N: 4, layout: zigzag': what each control (with a value) is set to."""
+    shown = []
+    for control in controls:
+        if not hasattr(control, "value"):
+            continue  # a button
+        value = getattr(control, "label", control.value)
+        if isinstance(value, (tuple, list)):
+            value = ", ".join(map(str, value))
+        shown.append(f"{control.description or type(control).__name__}: {value}")
+    return "drawn for " + "; ".join(shown) if shown else ""
 
 
 def explorer(controls: Sequence[Any], render: Callable[[], str | Sequence[str]], *,
@@ -170,17 +218,23 @@ def explorer(controls: Sequence[Any], render: Callable[[], str | Sequence[str]],
     panel when a control changes (or only when `button`, one of the controls, is clicked).
 
     The panel is a `widgets.HTML` whose value is replaced: no output is captured into an
-    `Output` widget while a cell runs, which can stall notebook execution (nbclient issue #312),
-    and the saved widget state shows the last view when the notebook is reopened, under a note
-    (`offline_note`) that says to run the cell to use the controls again. `render` returns
+    `Output` widget while a cell runs, which can stall notebook execution (nbclient issue #312).
+    A reopened notebook shows the last view either way: from the saved widget state, under a
+    note (`offline_note`) that says to run the cell to use the controls again, or, where
+    JupyterLab saved no widget state (the kernel had restarted before the save), from the
+    `saved_view` output that follows the controls, updated with every redraw. `render` returns
     HTML (`html_table`, `html_figure`, `html_text`); an unsolved exercise shows its notice in the
     panel (in the student edition), and any other error of the first drawing fails the cell."""
+    import uuid
+
     import ipywidgets as widgets
     from IPython.display import display
 
     from helpers.notice import notice_html, student_edition, unsolved_message
 
+    key = uuid.uuid4().hex[:12]
     panel = widgets.HTML()
+    saved = []  # the saved view's display handle, once shown
 
     def update(_=None) -> None:
         try:
@@ -191,6 +245,8 @@ def explorer(controls: Sequence[Any], render: Callable[[], str | Sequence[str]],
                 raise
             parts = notice_html(message)
         panel.value = parts if isinstance(parts, str) else "".join(parts)
+        if saved:
+            saved[0].update(saved_view(key, panel.value, control_settings(controls)), raw=True)
 
     if button is None:
         for control in controls:
@@ -199,6 +255,10 @@ def explorer(controls: Sequence[Any], render: Callable[[], str | Sequence[str]],
         button.on_click(update)
     update()  # the first view, drawn while the cell runs; errors here fail the cell
     rows = [widgets.HBox(list(controls[i:i + 3])) for i in range(0, len(controls), 3)]
-    box = widgets.VBox([offline_note(), *rows, panel])
-    display(box)
+    box = widgets.VBox([offline_note(key), *rows, panel])
+    # the controls; where they cannot be drawn (an untrusted notebook), one short line instead of
+    # the widget's repr (its whole HTML)
+    display({**box._repr_mimebundle_(), "text/plain": CONTROLS_TEXT}, raw=True)
+    saved.append(display(saved_view(key, panel.value, control_settings(controls)), raw=True,
+                         display_id=True))
     return box

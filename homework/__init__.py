@@ -15,8 +15,10 @@ Public tests are `tests/public/test_labNN_*.py`, hidden ones `tests/hidden/test_
 marked `@pytest.mark.exercise("name")` and optionally `@pytest.mark.points(n)` (default 1).
 
 Modules: solutions (find and stub solution blocks), files (what ships, notebook stripping),
-release, plugin (markers and result categories for pytest-reportlog's stream), runner (bounded
-pytest runs, one process per run, reports checked), sandbox (bubblewrap), check, archive
+release, splice (a submitted lab's exercises and own helpers put into the course's copy of the
+lab: what check and grade run), watch (where an exercise raised, in every rank, also when the
+test caught it), plugin (markers and result categories for pytest-reportlog's stream), runner
+(bounded pytest runs, one process per run, reports checked), sandbox (bubblewrap), check, archive
 (submission archive safety), submit, grade (trusted collection, canaries, verdicts). Nothing here
 imports torch.
 """

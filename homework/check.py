@@ -6,22 +6,33 @@ Exit status 0 only when every test passed. All the lab's test files run in one p
 (another one only after a crash or a hang). The full pytest output goes to runs/homework/, and
 the results of a check of all labs to runs/homework/check-all.json with a hash of labs/*.py and
 tests/public/*.py, so that `submit` can reuse them while those files are unchanged.
+
+In the student edition the tests run as grading runs them (homework.splice): on a copy of the
+course (runs/homework/tree-PID, removed afterwards) whose labs are the course's own
+(.course/labs, written by `release`) with the student's exercises and helpers spliced in. What
+of labs/*.py is not run is listed first, and a location in a message ("labs/x.py:N") is the line
+of the student's own file. The instructor's checkout, whose labs are the course, runs as it is.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers.config import settings
+from homework.files import ALWAYS_SKIPPED_DIRS
 from homework.runner import DEFAULT_TIMEOUT_S, Direct, Outcome, TestInfo, run_tests
+from homework.splice import COURSE_LABS, Spliced, splice_folder, to_submitted
 
 RESULTS_FILE = "runs/homework/check-all.json"
+GLOO_PREFIX = re.compile(r"\[/[^\]\s]*\] ")  # gloo's source position in its messages: not the student's
 # how pytest names the error of a test whose launch failed (tests/conftest.py); its message says
 # the rest ("rank 1 raised ValueError: ... at labs/...")
 RANK_FAILURE = "tests.harness.RankFailure: "
@@ -105,9 +116,24 @@ def run_check(root: Path, lab: str | None = None, timeout: float = DEFAULT_TIMEO
         if not quiet:
             log(f"  {STATUS_TEXT.get(outcome.outcome, outcome.outcome):<20} {outcome.nodeid}")
 
-    run = run_tests(Direct(root), files, timeout=timeout, deadline=deadline, log_path=log_path,
-                    on_outcome=progress)
+    tree, splices = root, {}
+    try:
+        if (root / COURSE_LABS).is_dir():  # the student edition: run what grading runs
+            tree = log_dir / f"tree-{os.getpid()}"
+            splices, not_run = spliced_tree(root, tree)
+            if not_run:
+                log("Not run from your labs (the checks, like grading, run the course's own code "
+                    "around your exercises and the helpers you added):")
+                for text in not_run:
+                    log(f"  {text}")
+        run = run_tests(Direct(tree), files, timeout=timeout, deadline=deadline, log_path=log_path,
+                        on_outcome=progress)
+    finally:
+        if tree != root:
+            shutil.rmtree(tree, ignore_errors=True)
     infos, outcomes = run.tests, run.outcomes
+    for outcome in outcomes.values():
+        outcome.message = to_submitted(outcome.message, splices)
     results = summarise(infos, outcomes)
     log("")
     width = max([len("exercise")] + [len(r.exercise) for r in results])
@@ -115,7 +141,7 @@ def run_check(root: Path, lab: str | None = None, timeout: float = DEFAULT_TIMEO
     for result in results:
         text = STATUS_TEXT[result.status]
         detail = _stub_text(result.message) if result.status == "not_implemented" else \
-            result.message.removeprefix(RANK_FAILURE)
+            GLOO_PREFIX.sub("", result.message.removeprefix(RANK_FAILURE))
         log(f"{result.exercise:<{width}}  {text}" + (f": {detail}" if detail else ""))
     counts = {k: sum(r.status == k for r in results) for k in STATUS_TEXT}
     summary = ", ".join(f"{n} {STATUS_TEXT[k]}" for k, n in counts.items() if n)
@@ -129,6 +155,36 @@ def run_check(root: Path, lab: str | None = None, timeout: float = DEFAULT_TIMEO
     if lab is None and not any(o.outcome == "not_run" for o in outcomes.values()):
         save_results(root, results, status)
     return results, status
+
+
+# what the checks' copy of the course holds besides the spliced labs: copied (the tests and the
+# code around them), and the rest of the top level linked
+COPIED = ("helpers", "homework", "tests", ".course")
+NOT_IN_TREE = {"labs", "runs", "submissions", ".git"} | ALWAYS_SKIPPED_DIRS
+
+
+def spliced_tree(root: Path, tree: Path) -> tuple[dict[str, Spliced], list[str]]:
+    """A copy of the course in `tree` whose labs are the course's own with the exercises of
+    root/labs spliced in; the splices, and what of root/labs is not run."""
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    for path in root.iterdir():
+        if path.name in NOT_IN_TREE:
+            continue
+        if path.name in COPIED and path.is_dir():
+            shutil.copytree(path, tree / path.name, symlinks=True,
+                            ignore=shutil.ignore_patterns(*ALWAYS_SKIPPED_DIRS))
+        elif path.is_file():
+            shutil.copy2(path, tree / path.name)
+        else:
+            (tree / path.name).symlink_to(path.resolve())
+    submitted = {f"labs/{p.name}": p.read_bytes() for p in sorted((root / "labs").glob("*.py"))
+                 if p.is_file()}
+    (tree / "labs").mkdir()
+    for path in (root / "labs").iterdir():  # data a lab reads, if any: .course/labs has modules only
+        if path.is_file() and path.suffix != ".py":
+            shutil.copyfile(path, tree / "labs" / path.name)
+    return splice_folder(root / COURSE_LABS, submitted, tree / "labs")
 
 
 FAILURES = ("failed", "error", "timeout", "crashed", "load_error")  # outcomes worth debugging
@@ -156,9 +212,10 @@ def debug_command(root: Path, test_file: str, lab: str | None) -> str:
 
 
 def inputs_hash(root: Path) -> str:
-    """What the public checks depend on that a student changes: labs/*.py and tests/public/*.py."""
+    """What the public checks depend on that a student changes: labs/*.py and tests/public/*.py
+    (and the course's copy of the labs, .course/labs, which an update changes)."""
     digest = hashlib.sha256()
-    for folder, pattern in (("labs", "*.py"), ("tests/public", "*.py")):
+    for folder, pattern in (("labs", "*.py"), ("tests/public", "*.py"), (COURSE_LABS, "*.py")):
         for path in sorted((root / folder).glob(pattern)):
             digest.update(f"{folder}/{path.name}\0".encode())
             digest.update(path.read_bytes() if path.is_file() else b"")

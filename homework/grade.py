@@ -7,11 +7,14 @@ this run among the graded tests, and collect the tests from that tree (instructo
 collection is trusted: test ids, exercises, points, docstrings).
 
 Then for each archive, in the order given: validate it (homework.archive; a rejected one
-scores 0 with the reason), put its labs/*.py over the stubs in a folder of its own, and run every
-graded test in one pytest process inside a fresh sandbox (homework.sandbox: the tree and
-the labs read-only, nothing else of this machine, limits, a time budget). What decides the score
-is computed out here, from what the submission cannot change:
+scores 0 with the reason), splice its exercises into the course's own labs in a folder of its own
+(homework.splice: the student owns only the exercises; whatever else of the submitted files
+differs is listed in the feedback and never runs), and run every graded test in SHARDS pytest
+processes, each inside a fresh sandbox (homework.sandbox: the tree and the labs read-only,
+nothing else of this machine, limits, a time budget). What decides the score is computed out
+here, from what the submission cannot change:
 
+- the code the tests run around the exercises, and the tests themselves, are the course's;
 - the tests, their points and their order come from the trusted collection;
 - a test scores only when its setup, call and teardown were all reported passed, in order, once;
 - a report stream that no pytest would write (a report twice, out of order, unreadable) and a
@@ -44,12 +47,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from homework import archive
-from homework.solutions import changed_outside_exercises
 from homework.files import GRADING_STAMP, RELEASE_STAMP, course_files
-from homework.release import transform
+from homework.release import transform, write_course_labs
 from homework.runner import (DEFAULT_TIMEOUT_S, Direct, Outcome, RunResult, TestInfo, child_env,
                              collect, run_tests)
 from homework.sandbox import Limits, Sandbox, SandboxUnavailable, probe
+from homework.splice import splice_folder
 
 DEFAULT_BUDGET_S = 1800.0   # one submission, all its tests, restarts included
 RANKS_PER_SUBMISSION = 4    # processes one submission keeps busy: its largest test launch's ranks
@@ -88,6 +91,7 @@ class Graded:
     note: str = ""
     flags: list[str] = field(default_factory=list)
     student: str = ""
+    not_run: list[str] = field(default_factory=list)  # what of the submitted labs did not run (splice)
     started: float = 0.0      # time.monotonic() when its grading began
     seconds: float = 0.0
     graded: bool = True       # False: rejected or failed on our side (grade exits non-zero)
@@ -108,16 +112,19 @@ def graded_test_files(root: Path, labs: list[str] | None = None) -> list[str]:
 def build_base_tree(root: Path, dest: Path) -> None:
     """The instructor's course minus solutions (every lab as the student edition has it), readable
     by the sandbox's user."""
+    labs = {}
     for rel in course_files(root):
         if Path(rel).name in (RELEASE_STAMP, GRADING_STAMP):
             continue
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         if rel.startswith("labs/") and rel.endswith(".py"):
-            target.write_bytes(transform(root, rel).data)
+            labs[rel] = transform(root, rel).data
+            target.write_bytes(labs[rel])
         else:
             shutil.copyfile(root / rel, target)
         target.chmod(0o755 if os.access(root / rel, os.X_OK) else 0o644)
+    write_course_labs(dest, labs)  # as in the student edition (the tests' exercise watch reads it)
     for folder, dirs, _ in os.walk(dest):
         os.chmod(folder, 0o755)
 
@@ -265,6 +272,10 @@ def write_feedback(path: Path, graded: Graded, tests: list[TestInfo]) -> None:
         lines += [f"Note: {_cell(graded.note)}", ""]
     if graded.flags:
         lines += [f"Flags: {_cell('; '.join(graded.flags))}", ""]
+    if graded.not_run:
+        lines += ["The tests ran the course's own copy of each lab with your exercises (and the helpers "
+                  "you added) in it. Not run from your files:", ""]
+        lines += [f"- {_cell(text)}" for text in graded.not_run] + [""]
     if graded.outcomes:
         lines += ["| test | exercise | points | result | what it checks |", "|---|---|---|---|---|"]
         for test in tests:
@@ -452,28 +463,21 @@ def _grade_one(graded: Graded, sub: Path, base: Path, files: list[str], collecte
     unpacked.mkdir(parents=True)
     written = archive.extract(graded.archive, unpacked)
     graded.student, graded.flags = _manifest_flags(graded.archive, _manifest(unpacked))
-    shutil.copytree(base / "labs", labs)
-    overlaid = []
-    for name in written:
-        if not (name.startswith("labs/") and name.endswith(".py")):
-            continue
-        if name == "labs/conftest.py":  # pytest would never load it from labs/; keep it that way
-            graded.flags.append("labs/conftest.py ignored")
-            continue
-        shutil.copyfile(unpacked / name, sub / name)
-        overlaid.append(name)
-        course_copy = base / name
-        if not course_copy.is_file():
-            graded.flags.append(f"{name}: a file the course does not have")
-        elif changed_outside_exercises(course_copy.read_text(encoding="utf-8", errors="replace"),
-                                       (unpacked / name).read_text(encoding="utf-8", errors="replace")):
-            graded.flags.append(f"{name}: code outside the exercise functions differs from the "
-                                "course's (the tests may rely on it: review it)")
+    submitted = {name: (unpacked / name).read_bytes() for name in written
+                 if name.startswith("labs/") and name.endswith(".py")}
+    # the course's own labs with the submission's exercises (and its own helpers) spliced in:
+    # nothing else of the submitted files runs (homework.splice)
+    splices, graded.not_run = splice_folder(base / "labs", submitted, labs)
+    graded.flags += [text for spliced in splices.values() for text in spliced.review]
     for path in [labs, *labs.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
-    if not overlaid:
+    if not submitted:
         graded.note = "no labs/*.py in the submission: graded the stubs"
-    log_path.write_text(f"submission {graded.archive}\nlabs overlaid: {', '.join(overlaid)}\n\n")
+    elif graded.not_run:
+        graded.note = (f"{len(graded.not_run)} part(s) of the submitted labs not run (the course's "
+                       "own code ran instead): see the feedback")
+    log_path.write_text(f"submission {graded.archive}\nlabs submitted: {', '.join(sorted(submitted))}\n"
+                        + "".join(f"not run: {text}\n" for text in graded.not_run) + "\n")
     if unsafe:
         tree = sub / "tree"
         shutil.copytree(base, tree)

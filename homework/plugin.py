@@ -112,7 +112,7 @@ def pytest_runtest_makereport(item, call):
         report.user_properties.append((CATEGORY_KEY, kind))
         if stub:
             report.user_properties.append((STUB_KEY, stub))
-        else:
+        elif not any(key == WHERE_KEY for key, _ in report.user_properties):
             where = lab_location(call.excinfo, item.config.rootpath)
             if where:
                 report.user_properties.append((WHERE_KEY, where))

@@ -2,7 +2,8 @@
 
 The edition is the course's files (git's view: release runs from the instructor's checkout) minus
 instructor-only ones, with every solution block of `labs/**/*.py` replaced by a stub and notebooks
-cleared of outputs. Exercises live in labs only: a solution marker in a notebook is refused. The
+cleared of outputs, plus the course's own copy of labs/*.py in .course/labs (homework.splice:
+`check` runs the student's exercises inside it, as grading does). Exercises live in labs only: a solution marker in a notebook is refused. The
 edition is built in a sibling folder, then checked without trusting the code that built it:
 - no line anywhere looks like a solution marker;
 - no solution line appears, unless the instructor's files show that same line outside the
@@ -27,6 +28,7 @@ from pathspec import GitIgnoreSpec
 
 from homework.solutions import (Block, ExerciseError, is_marker_like, lab_number,
                                 notebook_for, stub_python)
+from homework.splice import COURSE_LABS
 from homework.files import (RELEASE_STAMP, NotACheckout, cell_source, course_files,
                             clean_notebook, instructor_only, is_instructor_only)
 
@@ -227,6 +229,26 @@ def verify(staging: Path, written: dict[str, Transformed], patterns: GitIgnoreSp
     return problems, warnings
 
 
+COURSE_LABS_README = """\
+The course's own copy of every lab (labs/), as this edition handed it out. `./run.sh check`, like
+the grader, runs the tests on these files with your exercises, and the helpers you add, spliced in
+(homework/splice.py): the rest of labs/*.py (the instruments, references and runners around the
+exercises) is the course's, whatever your copy says. Editing these files changes nothing but your
+own checks.
+"""
+
+
+def write_course_labs(edition: Path, files: dict[str, bytes]) -> None:
+    """The course's own copy of labs/*.py in the edition (COURSE_LABS), which `check` splices the
+    student's exercises into."""
+    folder = edition / COURSE_LABS
+    folder.mkdir(parents=True, exist_ok=True)
+    for rel, data in files.items():
+        if rel.startswith("labs/") and rel.endswith(".py") and rel.count("/") == 1:
+            (folder / rel.split("/", 1)[1]).write_bytes(data)
+    (folder.parent / "README.md").write_text(COURSE_LABS_README)
+
+
 def _check_target(root: Path, out_dir: Path, force: bool) -> None:
     if out_dir == root or root.is_relative_to(out_dir):
         raise ReleaseError(f"{out_dir} would contain the course itself; pick another folder")
@@ -280,6 +302,7 @@ def release(root: Path, out_dir: Path, force: bool = False, strict: bool = False
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(item.data)
             shutil.copymode(root / rel, target)  # run.sh stays executable
+        write_course_labs(staging, {rel: item.data for rel, item in written.items()})
         commit = _git_commit(root)
         stamp = (f"Student edition written by `./run.sh release` on "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"

@@ -22,8 +22,6 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.notice import stub_messages
-
 BEGIN = "###" + " BEGIN SOLUTION"
 END = "###" + " END SOLUTION"
 # Anything that looks like a marker, exact or not: "#BEGIN SOLUTION", "## end solution", ...
@@ -198,59 +196,3 @@ def notebook_for(root: Path, number: str) -> str:
         return ""
     found = sorted((root / "notebooks").glob(f"{number}_*.ipynb"))
     return found[0].name if found else ""
-
-
-# ---------------------------------------------------------------------------- outside the exercises
-def _without_exercise_bodies(tree: ast.Module, exercises: set[str]) -> str:
-    """The module's AST as text, with each exercise function's body and every docstring dropped:
-    what is left is the code the tests may rely on."""
-
-    def visit(body: list, prefix: str) -> None:
-        if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None),
-                                                                  ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            del body[0]
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                name = prefix + node.name
-                if name in exercises:
-                    node.body = [ast.Pass()]
-                else:
-                    visit(node.body, name + ".")
-            elif isinstance(node, ast.ClassDef):
-                visit(node.body, prefix + node.name + ".")
-
-    visit(tree.body, "")
-    return ast.dump(tree, include_attributes=False)
-
-
-def exercise_functions(stubbed: str) -> set[str]:
-    """Dotted names of the functions that hold an exercise stub in a student-edition lab."""
-    tree = ast.parse(stubbed)
-    names = set()
-
-    def visit(body: list, prefix: str) -> None:
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                name = prefix + node.name
-                if stub_messages(ast.unparse(node)):
-                    names.add(name)
-                visit(node.body, name + ".")
-            elif isinstance(node, ast.ClassDef):
-                visit(node.body, prefix + node.name + ".")
-
-    visit(tree.body, "")
-    return names
-
-
-def changed_outside_exercises(stubbed: str, submitted: str) -> bool:
-    """Does `submitted` differ from the student edition's `stubbed` lab anywhere but inside the
-    exercise functions (docstrings, comments and formatting aside)? Tests use a lab's other code
-    (counters, data, runners); a submission that changes it may change what the tests see."""
-    exercises = exercise_functions(stubbed)
-    try:
-        mine = ast.parse(submitted)
-    except SyntaxError:
-        return True
-    return _without_exercise_bodies(ast.parse(stubbed), exercises) != \
-        _without_exercise_bodies(mine, exercises)

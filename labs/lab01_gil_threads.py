@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from helpers import pick
+from helpers import runs
 from helpers.bench import intra_op_threads, measure
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
@@ -101,29 +101,47 @@ def where_am_i(item: Any) -> tuple[Any, int, str]:
 
 
 @dataclass(frozen=True)
+class Run(runs.Run):
+    """The total work of each workload, the same for any number of workers (pure-Python loop
+    iterations, 512x512 matmuls, steps of two tiny ops, seconds of waiting); the timing rounds;
+    and the torchrun lab's pure-Python iterations (~1.2 s of pure Python at full size)."""
+    python: int = 12_000_000
+    matmul: int = 192
+    tiny_ops: int = 100_000
+    io: float = 0.8
+    repeats: int = 3
+    lab_iterations: int = 16_000_000
+    SMOKE = dict(python=1_000_000, matmul=24, tiny_ops=10_000, io=0.1, repeats=1,
+                 lab_iterations=1_000_000)
+
+
+@dataclass(frozen=True)
 class Workload:
-    name: str
+    name: str              # also its total work's field in Run
     fn: Callable[[Any], Any]
-    total_full: float      # total work: loop iterations, matmuls, op steps or seconds of waiting
-    total_smoke: float
     whole: bool = True     # the work comes in whole units (not seconds)
     extra: tuple = ()      # appended to every item, e.g. the matmul size
 
+    def total(self, cfg: Run | None = None) -> float:
+        """This workload's total work in `cfg` (default: the run mode's preset)."""
+        return getattr(cfg or Run.preset(), self.name)
+
     def items(self, n_items: int, total: float | None = None) -> list[tuple]:
-        """Split the total work into `n_items` items (the same total for any worker count)."""
+        """Split the total work (default: `self.total()`) into `n_items` items (the same total for
+        any worker count)."""
         if n_items < 1:
             raise ValueError(f"n_items must be >= 1, got {n_items}")
-        total = pick(self.total_full, self.total_smoke) if total is None else total
+        total = self.total() if total is None else total
         share = max(1, round(total / n_items)) if self.whole else total / n_items
         return [(seed, share, *self.extra) for seed in range(n_items)]
 
 
 WORKLOADS = {
     w.name: w for w in (
-        Workload("python", python_work, 12_000_000, 1_000_000),       # loop iterations
-        Workload("matmul", matmul_work, 192, 24, extra=(512,)),        # 512x512 matmuls
-        Workload("tiny_ops", tiny_ops_work, 100_000, 10_000),          # steps of 2 tiny ops
-        Workload("io", io_work, 0.8, 0.1, whole=False),                # seconds of waiting
+        Workload("python", python_work),                  # loop iterations
+        Workload("matmul", matmul_work, extra=(512,)),     # 512x512 matmuls
+        Workload("tiny_ops", tiny_ops_work),               # steps of 2 tiny ops
+        Workload("io", io_work, whole=False),              # seconds of waiting
     )
 }
 
@@ -178,13 +196,15 @@ def ideal_speedup(workload: str, workers: int) -> int:
 
 
 def speedup_table(workload: str, workers: int, kinds: Sequence[str] = ("thread", "process"),
-                  total: float | None = None, repeats: int | None = None) -> list[dict[str, Any]]:
+                  total: float | None = None, repeats: int | None = None,
+                  cfg: Run | None = None) -> list[dict[str, Any]]:
     """Time `workload` run serially and with `workers` threads/processes: one row per kind.
 
     Every row does the same total work, split into 4 * workers items; speedup = serial seconds /
     seconds (medians). `overhead_s` is the time of the same call on trivial items: starting and
     stopping the pool. The parallel results are checked against the serial ones (RuntimeError if
-    they differ), so a fast wrong answer never shows up as a speed-up.
+    they differ), so a fast wrong answer never shows up as a speed-up. `total` and `repeats` left
+    out are `cfg`'s (default: the run mode's preset).
     """
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}")
@@ -194,8 +214,9 @@ def speedup_table(workload: str, workers: int, kinds: Sequence[str] = ("thread",
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     spec = WORKLOADS[workload]
-    items = spec.items(4 * workers, total)
-    repeats = pick(3, 1) if repeats is None else repeats
+    cfg = cfg or Run.preset()
+    items = spec.items(4 * workers, spec.total(cfg) if total is None else total)
+    repeats = cfg.repeats if repeats is None else repeats
     runs = [("serial", 1)] + [(k, workers) for k in dict.fromkeys(kinds) if k != "serial"]
     expected = parallel_map(spec.fn, items, 1, "serial")
     for kind, n in runs[1:]:  # correctness first; this also warms up (starts the forkserver)
@@ -372,17 +393,15 @@ def design_note(speedup_processes: float, speedup_threads: float | None) -> str:
             f"design reason stands: {design}")
 
 
-LAB_ITERATIONS = (16_000_000, 1_000_000)  # full, smoke: ~1.2 s of pure Python at full size
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        iterations = pick(*LAB_ITERATIONS)
+        iterations = cfg.lab_iterations
         n_items = 4 * ctx.world_size
         items = WORKLOADS["python"].items(n_items, iterations)
         ctx.print0(f"{ctx.world_size} ranks, pure-Python work: {n_items} items, "
                    f"{iterations:,} loop iterations in all, on {ctx.device} ({ctx.backend})")
-        result = compare_threads_and_processes(ctx, items, repeats=pick(3, 1))
+        result = compare_threads_and_processes(ctx, items, repeats=cfg.repeats)
         ctx.report(**result)
         if ctx.rank != 0:
             return

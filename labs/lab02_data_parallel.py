@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.bench import measure
 from helpers.dist import DistContext, distributed, gpu_count, synchronize
 from helpers.notice import attempt
@@ -426,10 +426,21 @@ def three_ways(ctx: DistContext, *, width: int, depth: int, num_classes: int, gl
     return {"rows": rows, "threads": threads}
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The MLP trained three ways (depth x Linear(width, width), then num_classes), the global
+    batch, and the SGD steps."""
+    width: int = 1024
+    depth: int = 3
+    num_classes: int = 10
+    global_batch: int = 256
+    steps: int = 10
+    SMOKE = dict(width=128, depth=2, global_batch=32, steps=3)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = Run.from_argv(argv).values()
     with distributed() as ctx:
-        config = dict(width=pick(1024, 128), depth=pick(3, 2), num_classes=10,
-                      global_batch=pick(256, 32), steps=pick(10, 3))
         ctx.print0(f"lab 02: the same {config['steps']}-step SGD run three ways, "
                    f"{ctx.world_size} workers, device {ctx.device}, "
                    f"{torch.get_num_threads()} torch thread(s) per process; config {config}")

@@ -19,13 +19,14 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.bench import intra_op_threads, measure
 from helpers.dist import distributed, gpu_count, synchronize
 from helpers.notice import attempt
@@ -375,14 +376,41 @@ def stacked_bars(labels, stacks: dict[str, list[float]], *, title: str, ylabel: 
     return ax
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Sizes of notebook 02's measurements (and of this file's run): the matmul timed against the
+    clock and how many; the MLP width and batch of the DataParallel probe (and its repeats),
+    of ours against DataParallel and of the traffic count (its batch: traffic_batch); the phases'
+    model and steps; the memory count's model (a wide output layer); and the big model of the
+    threads-vs-loop race, with its repeats."""
+    launch_size: int = 1024
+    launches: int = 10
+    width: int = 512
+    batch_size: int = 256
+    probe_repeats: int = 30
+    phase_width: int = 1024
+    phase_steps: int = 7
+    memory_width: int = 256
+    memory_classes: int = 8192
+    memory_batch: int = 256
+    traffic_batch: int = 64
+    gil_width: int = 1024
+    gil_batch: int = 512
+    gil_repeats: int = 9
+    SMOKE = dict(launch_size=256, launches=3, width=64, batch_size=32, probe_repeats=20,
+                 phase_width=64, phase_steps=3, memory_width=32, memory_classes=512, memory_batch=32,
+                 traffic_batch=16, gil_width=512, gil_batch=128, gil_repeats=5)
+
+
+def main(argv: list[str] | None = None) -> None:
     from helpers.show import table
+    c = Run.from_argv(argv)
     with distributed() as ctx:
         if ctx.rank != 0:
             return  # one-process measurements: the other ranks have nothing to do
         print("cpu + meta ->", mixed_device_error("cpu", "meta"))
-        print("launch vs wait:", launch_vs_wait(ctx.device, pick(1024, 256), 5))
-        table([dataparallel_probe(pick(512, 64), 2, pick(256, 32), repeats=pick(20, 3))],
+        print("launch vs wait:", launch_vs_wait(ctx.device, c.launch_size, c.launches))
+        table([dataparallel_probe(c.width, 2, c.batch_size, repeats=c.probe_repeats)],
               ["device", "device_ids", "outputs_identical", "grad_diff_dp_vs_plain", "dp_over_bare"],
               title="nn.DataParallel here")
         table([{"call": call, "outcome": outcome, "why": primitive_outcome_note(outcome)}
@@ -392,20 +420,20 @@ def main() -> None:
         # step is still a stub (student edition).
         parts = {
             "ThreadDataParallel vs nn.DataParallel":
-                lambda: [ours_vs_dataparallel(pick(512, 64), 2, pick(256, 32))],
+                lambda: [ours_vs_dataparallel(c.width, 2, c.batch_size)],
             "ThreadDataParallel: median seconds per phase of one training step":
-                lambda: phase_times(pick(512, 64), 3, pick(256, 32), [1, 2, 4], steps=pick(5, 2)),
+                lambda: phase_times(c.phase_width, 3, c.batch_size, [1, 2, 4], steps=c.phase_steps),
             "bytes held per replica (2 replicas, wide output layer)":
-                lambda: memory_by_replica(pick(256, 32), pick(8192, 512), pick(256, 32), 2),
+                lambda: memory_by_replica(c.memory_width, c.memory_classes, c.memory_batch, 2),
             "bytes replica 0 sent and received per training step":
                 lambda: [{k: r[k] for k in ("replicas", "sent", "received", "C*(N-1)")}
-                         for r in traffic_vs_replicas(pick(512, 64), 2, pick(64, 16),
+                         for r in traffic_vs_replicas(c.width, 2, c.traffic_batch,
                                                       [1, 2, 4, 8])],
             "2 replicas: Python threads vs a serial loop (torch uses 1 thread)":
                 lambda: threads_vs_serial({"small": dict(width=32, depth=16, batch_size=16),
-                                           "large": dict(width=pick(1024, 256), depth=2,
-                                                         batch_size=pick(512, 64))},
-                                          repeats=pick(7, 3)),
+                                           "large": dict(width=c.gil_width, depth=2,
+                                                         batch_size=c.gil_batch)},
+                                          repeats=c.gil_repeats),
         }
         columns = {"ThreadDataParallel: median seconds per phase of one training step":
                    ["replicas", *FORWARD_PHASES, "loss + backward", "step"]}

@@ -23,6 +23,7 @@ against one process that sees the global batch:
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import pick
-from helpers.dist import DistContext, distributed
+from helpers import runs
+from helpers.dist import DistContext, distributed, new_group
 from helpers.show import table
 from helpers.tensors import ddp_device_ids, nbytes, seeded
 from labs.lab03_ddp import flat_grads, global_batch, local_shard
@@ -85,7 +86,7 @@ def batchnorm_case(ctx: DistContext, local_batch: int, steps: int) -> dict:
     mine = local_shard(x, ctx.rank, ctx.world_size), local_shard(y, ctx.rank, ctx.world_size)
     reference = bn_model(nn.BatchNorm1d(16)).to(ctx.device)
     nn.functional.mse_loss(reference(x), y).backward()
-    group = dist.new_group()  # its own group: the statistics' all-reduces never mix with DDP's
+    group = new_group(name="batchnorm statistics")  # its own: never mixed with DDP's all-reduces
     norms = {"BatchNorm1d": lambda: nn.BatchNorm1d(16),
              "CrossRankBatchNorm": lambda: CrossRankBatchNorm(16, group)}
     if ctx.device.type == "cuda":  # GPU only: SyncBatchNorm refuses CPU tensors
@@ -195,11 +196,20 @@ def join_case(ctx: DistContext) -> dict:
             "param_spread_over_ranks": spread_over_ranks(model.weight.detach())}
 
 
-def run(ctx: DistContext) -> dict:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The BatchNorm case's local batch and steps."""
+    local_batch: int = 8
+    batchnorm_steps: int = 3
+    SMOKE = dict(batchnorm_steps=2)
+    MIN_RANKS = 2
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     if ctx.world_size < 2:
         ctx.print0("the caveats need 2 ranks or more")
         return {}
-    result = {"batchnorm": batchnorm_case(ctx, local_batch=8, steps=pick(3, 2)),
+    result = {"batchnorm": batchnorm_case(ctx, local_batch=cfg.local_batch, steps=cfg.batchnorm_steps),
               "dropout": dropout_case(ctx), "token_loss": token_loss_case(ctx),
               "unused": unused_case(ctx), "join": join_case(ctx)}
     ctx.report(caveats=result)
@@ -214,9 +224,10 @@ def run(ctx: DistContext) -> dict:
     return {"caveats": result}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        run(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers import pick
+from helpers import runs
 from helpers.bench import intra_op_threads
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
@@ -215,12 +215,15 @@ def train_and_evaluate(ctx: DistContext, epochs: int, global_batch_size: int = 6
             "params_head": params[:64].tolist()}
 
 
-def default_epochs() -> int:
-    return pick(12, 1)
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Epochs of training on the digits."""
+    epochs: int = 12
+    SMOKE = dict(epochs=1)
 
 
-def run(ctx: DistContext) -> dict:
-    epochs = default_epochs()
+def run(ctx: DistContext, cfg: Run) -> dict:
+    epochs = cfg.epochs
     ctx.print0(f"DigitTransformer on sklearn digits, {ctx.world_size} process(es), "
                f"{epochs} epochs, {ctx.backend} on {ctx.device}")
     # One core per process on the CPU: the model is too small for intra-op threads to help, and
@@ -235,9 +238,10 @@ def run(ctx: DistContext) -> dict:
     return {"classifier": result}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        run(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

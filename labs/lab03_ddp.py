@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import pick
+from helpers import runs
 from helpers.comm_count import CountedWork, CountingComm, mark_finish
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
@@ -361,10 +361,21 @@ def bucketed_ddp_buckets(sizes: Sequence[int], bucket_cap_mb: float) -> list[int
             for bucket in plan_buckets(params, int(bucket_cap_mb * 2**20))]
 
 
-def run(ctx: DistContext) -> dict:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The MLP whose buckets are compared: depth x Linear(width, width), above 1 MiB of gradients
+    even in smoke mode (torch DDP's first-bucket cap), and the small cap compared, in MiB."""
+    width: int = 256
+    depth: int = 24
+    steps: int = 3
+    small_cap_mb: float = 1.0
+    SMOKE = dict(depth=6, small_cap_mb=0.5)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Which buckets each wrapper all-reduces, step by step: torch DDP's rule vs BucketedDDP's."""
-    width, depth = 256, pick(24, 6)  # above 1 MiB of gradients even in smoke mode
-    sizes, steps, small_cap = [width] * (depth + 1), 3, pick(1.0, 0.5)  # cap in MiB
+    width, depth, steps, small_cap = cfg.width, cfg.depth, cfg.steps, cfg.small_cap_mb
+    sizes = [width] * (depth + 1)
     model_bytes = depth * (width * width + width) * 4
     ctx.print0(f"MLP {depth} x Linear({width}, {width}): {model_bytes / 2**20:.2f} MiB of gradients")
     configs = {"torch DDP, bucket_cap_mb=None (its default)": dict(bucket_cap_mb=None),
@@ -387,9 +398,10 @@ def run(ctx: DistContext) -> dict:
     return {"bucket_rule": rule}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        run(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

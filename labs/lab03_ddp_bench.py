@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from helpers import pick
+from helpers import runs
 from helpers.bench import measure
 from helpers.comm_bench import all_reduce_fit
 from helpers.dist import DistContext, distributed, synchronize
@@ -246,18 +247,33 @@ def draw_tail_model(ax, model: dict, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
-def run(ctx: DistContext) -> dict:
-    width, depth, local_batch_size = pick(256, 128), pick(24, 8), pick(256, 64)
-    # several buckets of several parameters at every cap: above one layer (weight + bias: 257 KiB
-    # at full size, 64.5 KiB in smoke mode), below the whole model (6 MiB; 516 KiB)
-    caps_mb = pick([2.0, 1.0, 0.5], [0.125])
-    rounds, repeats = pick(3, 1), pick(3, 2)
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The MLP timed (depth x Linear(width, width)), the local batch, the bucket caps (MiB:
+    several buckets of several parameters at every cap, above one layer's weight and bias, 257 KiB
+    at full size, below the whole model, 6 MiB), the timing rounds and repeats, and the message
+    sizes (bytes) the alpha-beta model is fitted on, with its repeats."""
+    width: int = 256
+    depth: int = 24
+    local_batch_size: int = 256
+    caps_mb: tuple[float, ...] = (2.0, 1.0, 0.5)
+    rounds: int = 3
+    repeats: int = 3
+    fit_sizes: tuple[int, ...] = (4, 64 * KiB, MiB, 4 * MiB)
+    fit_repeats: int = 5
+    SMOKE = dict(width=128, depth=8, local_batch_size=64, caps_mb=(0.125,), rounds=1, repeats=2,
+                 fit_sizes=(4, 256 * KiB, 4 * MiB), fit_repeats=3)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    width, depth, local_batch_size = cfg.width, cfg.depth, cfg.local_batch_size
+    caps_mb, rounds, repeats = list(cfg.caps_mb), cfg.rounds, cfg.repeats
     total_bytes = depth * (width * width + width) * 4
     ctx.print0(f"MLP {depth} x Linear({width}, {width}): {total_bytes / MiB:.2f} MiB of fp32 "
                f"gradients, local batch {local_batch_size}, {ctx.world_size} ranks, {ctx.backend} "
                f"on {ctx.device}")
     rows = bench(ctx, width, depth, local_batch_size, caps_mb, rounds, repeats)
-    model = alpha_beta(ctx, pick([4, 64 * KiB, MiB, 4 * MiB], [4, 256 * KiB, 4 * MiB]), repeats=pick(5, 3))
+    model = alpha_beta(ctx, list(cfg.fit_sizes), repeats=cfg.fit_repeats)
     model.update(predictions(rows, model, total_bytes))
     config = {"width": width, "depth": depth, "local_batch_size": local_batch_size,
               "caps_mb": caps_mb, "samples": rounds * repeats, "total_bytes": total_bytes,
@@ -274,9 +290,10 @@ def run(ctx: DistContext) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        run(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
 from helpers.show import table
@@ -129,10 +129,20 @@ def train_and_compare(method: str, ctx: DistContext, sizes: Sequence[int], steps
     }
 
 
-def run(ctx: DistContext) -> dict:
-    sizes = pick([64, 256, 256, 256, 10], [16, 32, 32, 4])
-    steps = pick(5, 3)
-    local_batch_size, bucket_cap_mb = 8, pick(0.1, 0.002)  # caps that give several buckets
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The MLP's widths, the SGD steps each method takes, the local batch, and a bucket cap
+    (MiB) that gives several buckets."""
+    sizes: tuple[int, ...] = (64, 256, 256, 256, 10)
+    steps: int = 5
+    local_batch_size: int = 8
+    bucket_cap_mb: float = 0.1
+    SMOKE = dict(sizes=(16, 32, 32, 4), steps=3, bucket_cap_mb=0.002)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    sizes, steps = list(cfg.sizes), cfg.steps
+    local_batch_size, bucket_cap_mb = cfg.local_batch_size, cfg.bucket_cap_mb
     ctx.print0(f"{ctx.world_size} ranks, local batch {local_batch_size} (global "
                f"{local_batch_size * ctx.world_size}), MLP {sizes}, {steps} SGD steps per method, "
                f"buckets of {bucket_cap_mb} MiB")
@@ -154,9 +164,10 @@ def run(ctx: DistContext) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        run(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

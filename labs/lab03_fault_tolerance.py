@@ -21,10 +21,10 @@ of a run that never failed (here: of one process on the global batch, `reference
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.tensors import ddp_device_ids, divide
 from labs.lab03_ddp import flat_params, make_mlp
@@ -128,20 +128,27 @@ def train(ctx: DistContext, steps: int, ckpt_every: int, dataset_size: int,
             "final_params": flat_params(model).cpu()}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=pick(40, 16))
-    parser.add_argument("--ckpt-every", type=int, default=pick(5, 4))
-    parser.add_argument("--dataset-size", type=int, default=pick(512, 128))
-    parser.add_argument("--local-batch-size", type=int, default=8)
-    parser.add_argument("--ckpt-dir", default="", help="default: runs/lab03_fault_tolerance/<run id>")
-    parser.add_argument("--kill-rank", type=int, default=-1, help="rank that SIGKILLs itself")
-    parser.add_argument("--kill-at-step", type=int, default=-1, help="...before this step")
-    return parser.parse_args(argv)
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The training run; `kill_rank` SIGKILLs itself before step `kill_at_step` (-1: nobody);
+    `ckpt_dir` "" is runs/lab03_fault_tolerance/<run id>."""
+    steps: int = 40
+    ckpt_every: int = 5
+    dataset_size: int = 512
+    local_batch_size: int = 8
+    ckpt_dir: str = ""
+    kill_rank: int = -1
+    kill_at_step: int = -1
+    SMOKE = dict(steps=16, ckpt_every=4, dataset_size=128)
+
+    @property
+    def between_checkpoints(self) -> int:
+        """A step between the second and the third checkpoint: where a demo kills a rank."""
+        return 2 * self.ckpt_every + (self.ckpt_every + 1) // 2
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = Run.from_argv(argv)
     folder = Path(args.ckpt_dir) if args.ckpt_dir else run_dir("lab03_fault_tolerance")
     with distributed() as ctx:
         batch_indices(0, ctx.rank, ctx.world_size, args.dataset_size,

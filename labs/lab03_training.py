@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.launch import REPO_ROOT
 from helpers.show import table
@@ -272,8 +273,16 @@ def checkpoint_demo(ctx: DistContext, sizes: list[int], steps: int, folder: Path
     }
 
 
-def run(ctx: DistContext) -> dict:
-    sizes = pick([32, 128, 128, 4], [16, 32, 4])
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The MLP of the practicalities (its widths), and the one whose memory per rank is counted."""
+    sizes: tuple[int, ...] = (32, 128, 128, 4)
+    memory_sizes: tuple[int, ...] = (256, 1024, 1024, 10)
+    SMOKE = dict(sizes=(16, 32, 4), memory_sizes=(64, 256, 256, 10))
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    sizes = list(cfg.sizes)
     dataset_size, epochs = 8 * ctx.world_size, 3
     with_epoch = sampler_orders(dataset_size, ctx.world_size, epochs, set_epoch=True)
     without_epoch = sampler_orders(dataset_size, ctx.world_size, epochs, set_epoch=False)
@@ -292,7 +301,7 @@ def run(ctx: DistContext) -> dict:
                     "padding": padding(10, 4),
                     "eval": padded_accuracy([i % 3 != 0 for i in range(10)], 4)},
         "checkpoint": ckpt, "accumulation": accumulation,
-        "memory": memory_per_rank(ctx, pick([256, 1024, 1024, 10], [64, 256, 256, 10])),
+        "memory": memory_per_rank(ctx, list(cfg.memory_sizes)),
     }
     ctx.report(**result)
     if ctx.rank == 0:
@@ -309,9 +318,10 @@ def run(ctx: DistContext) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        run(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ homework, labs/lab04_ring.py) the lab runs everything else and reports that it i
 """
 from __future__ import annotations
 
-from helpers import pick, smoke
+from dataclasses import dataclass
+
+from helpers import runs
 from helpers.comm_bench import (BUILTIN_CASES, MiB, all_reduce_case, default_sizes,
                                 fit_latency_bandwidth, machine_limit, side_by_side, sweep)
 from helpers.dist import DistContext, distributed
@@ -44,19 +46,32 @@ def fits_by_op(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def run(ctx: DistContext, sizes: list[int] | None = None, goal_size: int | None = None,
-        limit_size: int | None = None) -> dict:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The message sizes swept (bytes; default_sizes: 4 B to 64 MiB by factors of 4) and the
+    repeats of each; the size of the race against our ring and its rounds; the copy that measures
+    the machine's limit and its repeats."""
+    sizes: tuple[int, ...] = tuple(default_sizes(smoke=False))
+    repeats: int = 5
+    goal_size: int = GOAL_SIZE
+    rounds: int = 9
+    limit_size: int = 64 * MiB
+    limit_repeats: int = 5
+    SMOKE = dict(sizes=tuple(default_sizes(smoke=True)), repeats=3, goal_size=4 * MiB, rounds=5,
+                 limit_size=16 * MiB, limit_repeats=3)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Sweep, fit, limit and race; return everything. `ring` is the race against our ring, or
-    the record that ring_all_reduce is not written yet. Sizes left None follow the run mode."""
+    the record that ring_all_reduce is not written yet."""
     unsolved = ring_unsolved(ctx.device)
     ring = [] if unsolved else [all_reduce_case("ring (ours)", ring_all_reduce)]
-    sizes = default_sizes(smoke()) if sizes is None else sizes
-    goal_size = pick(GOAL_SIZE, 4 * MiB) if goal_size is None else goal_size
-    limit_size = pick(64 * MiB, 16 * MiB) if limit_size is None else limit_size
-    rows = sweep([*BUILTIN_CASES, *ring], sizes, device=ctx.device, warmup=1, repeats=pick(5, 3))
+    goal_size = cfg.goal_size
+    rows = sweep([*BUILTIN_CASES, *ring], list(cfg.sizes), device=ctx.device, warmup=1,
+                 repeats=cfg.repeats)
     race = side_by_side([BUILTIN_CASES[0], *ring], goal_size, device=ctx.device,
-                        rounds=pick(9, 5)) if ring else []
-    limits = machine_limit(ctx.device, limit_size, repeats=pick(5, 3)) if ctx.rank == 0 else []
+                        rounds=cfg.rounds) if ring else []
+    limits = machine_limit(ctx.device, cfg.limit_size, repeats=cfg.limit_repeats) if ctx.rank == 0 else []
     ctx.barrier()  # the others wait while rank 0 measures the limit alone
     if unsolved:
         goal = unsolved
@@ -94,9 +109,10 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         if ctx.rank == 0:
             print_summary(result)
         ctx.report(**result)

@@ -14,6 +14,8 @@ The homework of notebook 04, `ring_all_reduce`, lives in labs/lab04_ring.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import datetime
 import os
 import shutil
@@ -24,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from helpers import pick
+from helpers import runs
 from helpers.comm_bench import all_gather_single, reduce_scatter_single
 from helpers.dist import DistContext, distributed
 from helpers.show import table
@@ -319,14 +321,21 @@ DOCUMENTED_REDUCTIONS_NCCL = {
 }
 
 
-def run(ctx: DistContext) -> dict:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Floats in the object-collective comparison."""
+    object_numel: int = 20_000
+    SMOKE = dict(object_numel=2_000)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Run the whole tour on this rank; returns this rank's record."""
     rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
     return {"stores": store_demo(rank, world_size, device, ctx.timeout_s),
             "p2p": p2p_demo(rank, world_size, device),
             "collectives": collectives_demo(rank, world_size, device),
             "decomposition": decomposition_demo(rank, world_size, device),
-            "objects": object_demo(rank, world_size, device, numel=pick(20_000, 2_000)),
+            "objects": object_demo(rank, world_size, device, numel=cfg.object_numel),
             "support": support_probe(device)}
 
 
@@ -350,9 +359,10 @@ def print_summary(ctx: DistContext, record: dict) -> None:
           f"same {obj['numel']} floats as a tensor")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        record = run(ctx)
+        record = run(ctx, cfg)
         print_summary(ctx, record)
         ctx.report(tour=record)
 

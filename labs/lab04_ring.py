@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
 from helpers.show import table
@@ -242,18 +242,26 @@ def ring_check(device: torch.device, numel: int, group=None) -> dict:
     return out
 
 
-def run(ctx: DistContext) -> dict:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Elements of the tensors the ring is checked on (odd: the chunks are uneven)."""
+    check_numel: int = 1_000_003
+    SMOKE = dict(check_numel=1_003)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Check the ring against dist.all_reduce (or report that it is not written yet)."""
-    return ring_unsolved(ctx.device) or ring_check(ctx.device, numel=pick(1_000_003, 1_003))
+    return ring_unsolved(ctx.device) or ring_check(ctx.device, numel=cfg.check_numel)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
         state = ring_state(ctx.world_size, ctx.world_size - 1)
         if ctx.rank == 0:
             table(ring_state_rows(state), title=f"the ring on {ctx.world_size} ranks after its "
                   f"reduce-scatter ({state.step} of {state.total_steps} steps)")
-        check = run(ctx)
+        check = run(ctx, cfg)
         if ctx.rank == 0 and "unsolved" not in check:
             table([{"dtype": name, "max |ring - all_reduce|": c["max_abs_diff"],
                     "bitwise identical on every rank": c["identical_on_every_rank"],

@@ -20,14 +20,16 @@ formula `sent_bytes / (world_size * duration)` with NCCL's bus bandwidth.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from helpers import pick
+from helpers import runs
 from helpers.bench import measure
 from helpers.comm_bench import MiB, busbw, lecture_bandwidth, slowest
 from helpers.comm_count import count_p2p
-from helpers.dist import DistContext, distributed
+from helpers.dist import DistContext, distributed, new_group
 from helpers.show import table
 from labs.lab04_ring import ring_all_reduce, ring_check, ring_unsolved
 
@@ -93,7 +95,7 @@ def _test_tensor(rank: int, numel: int, device: torch.device) -> torch.Tensor:
 def prefix_groups(world_size: int) -> dict[int, dist.ProcessGroup]:
     """{N: the group of ranks 0..N-1} for N = 2..world_size. Every rank must call it (new_group is
     collective, members or not); make them once, they are reused by every measurement."""
-    return {n: dist.new_group(list(range(n))) for n in range(2, world_size + 1)}
+    return {n: new_group(list(range(n)), name=f"first {n} ranks") for n in range(2, world_size + 1)}
 
 
 def count_traffic(rank: int, groups: dict, device: torch.device, numel: int,
@@ -193,18 +195,29 @@ def bandwidth_comparison(timings: list[dict], traffic: list[dict]) -> list[dict]
     return out
 
 
-def run(ctx: DistContext) -> dict:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Ranks (the more, the clearer the trend; any count works), the all-reduced tensor's elements
+    (3 MiB of float32, smoke 48 KiB: divisible by 2, 3 and 4, so every chunk is K/N exactly),
+    the timing repeats, and the elements of the ring's check."""
+    ranks: int | None = 4
+    numel: int = 3 * 2 ** 18
+    repeats: int = 5
+    check_numel: int = 1_000_003
+    SMOKE = dict(ranks=3, numel=3 * 2 ** 12, repeats=3, check_numel=1_003)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Count and time the parameter server and the direct all-reduce (and the backend's own);
     then the same for the ring, with `ring_check`, or the record that it is not written yet."""
-    # 3 MiB of float32 (smoke: 48 KiB): divisible by 2, 3 and 4, so every chunk is K/N exactly
-    numel, repeats = 3 * pick(2 ** 18, 2 ** 12), pick(5, 3)
+    numel, repeats = cfg.numel, cfg.repeats
     groups = prefix_groups(ctx.world_size)
     traffic = count_traffic(ctx.rank, groups, ctx.device, numel, ALGORITHMS)
     timings = time_algorithms(ctx.rank, groups, ctx.device, numel, ALGORITHMS, repeats)
     ring = ring_unsolved(ctx.device) or {
         "traffic": count_traffic(ctx.rank, groups, ctx.device, numel, RING),
         "timings": time_algorithms(ctx.rank, groups, ctx.device, numel, RING, repeats, built_in=False),
-        "check": ring_check(ctx.device, numel=pick(1_000_003, 1_003))}
+        "check": ring_check(ctx.device, numel=cfg.check_numel)}
     return {"traffic": traffic, "timings": timings, "ring": ring}
 
 
@@ -223,9 +236,10 @@ def print_summary(ctx: DistContext, result: dict) -> None:
         print("ring_all_reduce is not written yet (the homework, labs/lab04_ring.py): no ring rows")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         print_summary(ctx, result)
         ctx.report(**result)
 

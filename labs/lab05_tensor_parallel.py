@@ -19,12 +19,14 @@ times their communication.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.comm_count import CommLog, LoggedCollective
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
@@ -359,9 +361,17 @@ def step_collectives(model: nn.Module, log: CommLog, x: torch.Tensor) -> list[Lo
     return calls
 
 
-def default_sizes() -> dict:
-    """The MLP and batch of this run (smoke mode: smaller), read when the run starts."""
-    return dict(batch=pick(4, 2), seq=pick(64, 8), d_model=pick(192, 48), d_ff=pick(768, 192))
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The MLP (d_model -> d_ff -> d_model) and its batch, the SGD steps side by side with the
+    dense MLP, and the dtype (a torch dtype's name)."""
+    batch: int = 4
+    seq: int = 64
+    d_model: int = 192
+    d_ff: int = 768
+    steps: int = 3
+    dtype: str = "float32"
+    SMOKE = dict(batch=2, seq=8, d_model=48, d_ff=192)
 
 
 def forward_difference(dense: nn.Module, parallel: nn.Module, x: torch.Tensor) -> float:
@@ -381,10 +391,11 @@ def check_scheme(scheme: str, x: torch.Tensor, target: torch.Tensor, d_model: in
                                                parallel, x, target, steps=steps)}
 
 
-def run(ctx: DistContext, *, steps: int = 3, dtype=torch.float32, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """Both schemes against the dense MLP: the forward outputs, then (`check`, once the backward
-    passes are written) `steps` SGD steps side by side and each scheme's collectives."""
-    sizes = {**default_sizes(), **sizes}
+    passes are written) `cfg.steps` SGD steps side by side and each scheme's collectives."""
+    sizes = {k: getattr(cfg, k) for k in ("batch", "seq", "d_model", "d_ff")}
+    steps, dtype = cfg.steps, getattr(torch, cfg.dtype)
     for what in ("d_model", "d_ff"):  # a clear error before any work
         divide(sizes[what], ctx.world_size, f"{what} of the MLP over the tensor-parallel ranks")
     batch, seq, d_model, d_ff = (sizes[k] for k in ("batch", "seq", "d_model", "d_ff"))
@@ -398,9 +409,10 @@ def run(ctx: DistContext, *, steps: int = 3, dtype=torch.float32, **sizes) -> di
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         s = result["sizes"]
         ctx.print0(f"MLP {s['d_model']} -> {s['d_ff']} -> {s['d_model']} on {ctx.world_size} ranks "
                    f"({ctx.backend}, {ctx.device.type}), {s['steps']} SGD steps against the dense MLP")

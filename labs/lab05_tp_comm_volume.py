@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
-from helpers import pick
+from helpers import runs
 from helpers.bench import measure
 from helpers.comm_bench import LINK_BYTES_PER_S
 from helpers.comm_count import LoggedCollective, ring_bytes_sent
@@ -222,9 +222,15 @@ def step_traffic_rows(shape: TransformerShape = LLAMA2_70B, layout: dict | None 
 
 
 # ====================================================================== the run
-def default_sizes() -> dict:
-    """The MLP and batch of this run (smoke mode: smaller), read when the run starts."""
-    return dict(batch=pick(4, 2), seq=pick(128, 16), d_model=pick(384, 48), d_ff=pick(1536, 192))
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The MLP (d_model -> d_ff -> d_model) and its batch, and the timing repeats."""
+    batch: int = 4
+    seq: int = 128
+    d_model: int = 384
+    d_ff: int = 1536
+    repeats: int = 5
+    SMOKE = dict(batch=2, seq=16, d_model=48, d_ff=192, repeats=2)
 
 
 def count_and_time_mlps(ctx: DistContext, x: torch.Tensor, dense: nn.Module, sizes: dict,
@@ -243,11 +249,11 @@ def count_and_time_mlps(ctx: DistContext, x: torch.Tensor, dense: nn.Module, siz
     return out
 
 
-def run(ctx: DistContext, repeats: int | None = None, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """One column layer's matmul against its all-gather; then (`mlp`, once the backward passes are
     written) both schemes counted and timed per forward+backward, fp32."""
-    sizes = {**default_sizes(), **sizes}
-    repeats = pick(5, 2) if repeats is None else repeats
+    sizes = {k: getattr(cfg, k) for k in ("batch", "seq", "d_model", "d_ff")}
+    repeats = cfg.repeats
     for what in ("d_model", "d_ff"):  # a clear error before any work
         divide(sizes[what], ctx.world_size, f"{what} of the MLP over the tensor-parallel ranks")
     sizes["tokens"] = sizes["batch"] * sizes["seq"]
@@ -278,9 +284,10 @@ def print_summary(ctx: DistContext, result: dict) -> None:
     table(step_traffic_rows(), title=f"{LLAMA2_70B.name}, one training step, {LLAMA2_70B_LAYOUT}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         print_summary(ctx, result)
         ctx.report(**result)
 

@@ -14,15 +14,16 @@ written, the lab reports that they are not).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from helpers import pick
-from helpers.dist import DistContext, distributed
+from helpers import runs
+from helpers.dist import DistContext, device_mesh, distributed
 from helpers.notice import attempt
 from helpers.show import table
 from labs.lab05_tensor_parallel import dense_mlp, megatron_mlp, sample_batch
@@ -46,7 +47,7 @@ def compare_with_ours(ctx: DistContext, batch: int, seq: int, d_model: int, d_ff
     DTensor parameters against ours and the forward outputs (no backward needed); then (`training`,
     once our backward passes are written) max |difference| of input grads, every parameter's local
     gradient (first step) and local parameters after `steps` SGD steps."""
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mesh = device_mesh(ctx.device, tp=ctx.world_size)
     dense = dense_mlp(d_model, d_ff, dtype=dtype, device=ctx.device)
     ours, theirs = megatron_mlp(dense), dtensor_mlp(dense, mesh)
     x, target = sample_batch(batch, seq, d_model, seed=2, dtype=dtype, device=ctx.device)
@@ -87,14 +88,27 @@ def train_side_by_side(ours: nn.Module, theirs: nn.Module, x: torch.Tensor, targ
     return diffs
 
 
-def run(ctx: DistContext, steps: int = 3, dtype=torch.float32) -> dict:
-    return compare_with_ours(ctx, batch=pick(4, 2), seq=pick(32, 8), d_model=pick(96, 24),
-                             d_ff=pick(384, 96), steps=steps, dtype=dtype)
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The MLP (d_model -> d_ff -> d_model) and its batch, the SGD steps, the dtype's name."""
+    batch: int = 4
+    seq: int = 32
+    d_model: int = 96
+    d_ff: int = 384
+    steps: int = 3
+    dtype: str = "float32"
+    SMOKE = dict(batch=2, seq=8, d_model=24, d_ff=96)
 
 
-def main() -> None:
+def run(ctx: DistContext, cfg: Run) -> dict:
+    return compare_with_ours(ctx, batch=cfg.batch, seq=cfg.seq, d_model=cfg.d_model, d_ff=cfg.d_ff,
+                             steps=cfg.steps, dtype=getattr(torch, cfg.dtype))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         training = result["training"]
         trained = "unsolved" not in training
         if ctx.rank == 0:

@@ -18,12 +18,13 @@ different ones on split activations; Megatron keeps separate generator states fo
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
 from helpers.show import table
@@ -89,10 +90,17 @@ def tensor_parallel_block(dense: Block, group=None, log: CommLog | None = None) 
                  megatron_mlp(dense.mlp, group, log))
 
 
-def default_sizes() -> dict:
-    """The block and batch of this run (smoke mode: smaller), read when the run starts."""
-    return dict(batch=pick(4, 2), seq=pick(64, 8), d_model=pick(192, 48), n_heads=24,
-                d_ff=pick(768, 96))
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The block (d_model, n_heads, d_ff) and its batch, the SGD steps, the dtype's name."""
+    batch: int = 4
+    seq: int = 64
+    d_model: int = 192
+    n_heads: int = 24
+    d_ff: int = 768
+    steps: int = 5
+    dtype: str = "float32"
+    SMOKE = dict(batch=2, seq=8, d_model=48, d_ff=96, steps=3)
 
 
 def train_and_count(dense: Block, parallel: Block, log: CommLog, x: torch.Tensor,
@@ -105,10 +113,11 @@ def train_and_count(dense: Block, parallel: Block, log: CommLog, x: torch.Tensor
             "worst": worst(check)}
 
 
-def run(ctx: DistContext, *, steps: int | None = None, dtype=torch.float32, **sizes) -> dict:
+def run(ctx: DistContext, cfg: Run) -> dict:
     """The dense block and its parallel twin: forward outputs, then (`training`, once the backward
-    passes are written) `steps` SGD steps on the same batch."""
-    s = {**default_sizes(), **sizes, "steps": pick(5, 3) if steps is None else steps}
+    passes are written) `cfg.steps` SGD steps on the same batch."""
+    s = {k: getattr(cfg, k) for k in ("batch", "seq", "d_model", "n_heads", "d_ff", "steps")}
+    dtype = getattr(torch, cfg.dtype)
     dense = dense_block(s["d_model"], s["n_heads"], s["d_ff"], dtype=dtype, device=ctx.device)
     log = CommLog()
     parallel = tensor_parallel_block(dense, None, log)
@@ -122,9 +131,10 @@ def run(ctx: DistContext, *, steps: int | None = None, dtype=torch.float32, **si
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        result = run(ctx)
+        result = run(ctx, cfg)
         s, training = result["sizes"], result["training"]
         ctx.print0(f"block d_model={s['d_model']}, {s['n_heads']} heads ({result['heads_per_rank']} "
                    f"per rank), d_ff={s['d_ff']}, {ctx.world_size} ranks; forward outputs differ by "

@@ -28,16 +28,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.bench import measure
 from helpers.dist import distributed, synchronize
 from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import divide, seeded
-from labs.lab06_schedules import (SCHEDULES, Action, TimedAction, bubble_formula,  # noqa: F401
-                                  bubble_fraction, bubble_ratio, gpipe_schedule, make_schedule,
-                                  makespan, mean_durations, one_f_one_b_schedule, simulate_schedule,
-                                  stage_mean_durations)
+from labs.lab06_schedules import (SCHEDULES, Action, TimedAction, bubble_conclusion,  # noqa: F401
+                                  bubble_formula, bubble_fraction, bubble_ratio, gpipe_schedule,
+                                  make_schedule, makespan, mean_durations, one_f_one_b_schedule,
+                                  simulate_schedule, stage_mean_durations)
 
 
 # --------------------------------------------------------------------------- the model and data
@@ -391,59 +391,6 @@ def measure_schedule(config: PipeConfig, schedule_name: str, *, rank: int, world
     return out
 
 
-TREND_TOL = 0.02  # idle fractions closer than this are "about the same" (timing noise)
-
-
-def bubble_conclusion(name: str, runs: dict[int, dict], num_stages: int, *, smoke: bool,
-                      width: int, microbatch_size: int) -> list[str]:
-    """What one schedule's measured bubbles say, each sentence chosen from the numbers.
-
-    runs[m] = measure_schedule's result for m micro-batches (bubble, forward/backward_seconds,
-    span_seconds, simulated_span_seconds). Compares the measured idle fraction at the smallest and
-    the largest m with the formula's, and computing time per action with the time messages and
-    waiting add per action on the critical path (the measured span minus the replay with free
-    messages, over the 2(m + p - 1) actions of that path); says "not on this run" when the
-    measured bubble did not fall with m as the formula does.
-    """
-    counts = sorted(runs)
-    lo, hi = counts[0], counts[-1]
-    first, last = runs[lo]["bubble"], runs[hi]["bubble"]
-    f_lo, f_hi = bubble_formula(num_stages, lo), bubble_formula(num_stages, hi)
-    trend = ("fell" if last < first - TREND_TOL else "rose" if last > first + TREND_TOL
-             else "stayed about the same")
-    r = runs[hi]
-    compute_ms = 1e3 * (r["forward_seconds"] + r["backward_seconds"]) / 2  # one action, on average
-    waiting_ms = max(0.0, 1e3 * (r["span_seconds"] - r["simulated_span_seconds"])
-                     / (2 * (hi + num_stages - 1)))
-    lines = [f"{name}: measured idle fraction {first:.2f} at m={lo} -> {last:.2f} at m={hi} "
-             f"({trend}); the formula (p-1)/(m+p-1) goes {f_lo:.2f} -> {f_hi:.2f}. An action "
-             f"computes for {compute_ms:.2f} ms on average; messages and waiting add "
-             f"{waiting_ms:.2f} ms per action on the critical path."]
-    small = (f"the stages are so small here (width {width}, micro-batches of {microbatch_size} "
-             "rows) that sending a micro-batch and waiting for it costs more than computing it")
-    rerun = ("the full-size run (without COURSE_SMOKE) makes each action longer" if smoke else
-             "a busy machine does this too: rerun when it is quiet")
-    if trend == "fell" and f_hi < f_lo:
-        above = last - f_hi
-        head = "  -> the measured bubble fell with m, as the formula says"
-        if above <= TREND_TOL:
-            lines.append(f"{head}, and ends within {TREND_TOL} of it at m={hi}.")
-        elif waiting_ms > compute_ms:
-            lines.append(f"{head}, and ends {above:.2f} above it at m={hi}: {small}.")
-        else:
-            lines.append(f"{head}, and ends {above:.2f} above it at m={hi}: the share of messages "
-                         "and waiting (and of the last stage's extra loss computation).")
-    elif f_hi < f_lo:
-        lines.append(f"  -> not on this run: the measured bubble {trend} as m grew, while the "
-                     "formula's falls. " + (f"Messages and waiting dominate: {small}; {rerun}."
-                                            if waiting_ms > compute_ms else
-                                            "Computing dominates here, so a busy machine is the "
-                                            "likely cause: rerun when it is quiet."))
-    else:
-        lines.append("  -> one stage or one micro-batch count: the formula has no trend to follow.")
-    return lines
-
-
 CHECK_CONFIG = PipeConfig(width=32, num_blocks=4, microbatch_size=8, num_microbatches=4, lr=1.0)
 CHECK_STEPS = 5
 
@@ -475,10 +422,23 @@ def is_unsolved(value) -> bool:
     return isinstance(value, dict) and set(value) == {"unsolved"}
 
 
-def main() -> None:
-    measure_config = PipeConfig(width=pick(768, 64), num_blocks=pick(8, 4),
-                                microbatch_size=pick(96, 8))
-    microbatch_counts = pick([1, 2, 4, 8, 16], [1, 2, 4])
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The model whose timelines are measured (blocks of Linear(width, width), micro-batches of
+    microbatch_size rows) and the micro-batch counts measured; training is checked on
+    CHECK_CONFIG whatever the size."""
+    width: int = 768
+    num_blocks: int = 8
+    microbatch_size: int = 96
+    microbatch_counts: tuple[int, ...] = (1, 2, 4, 8, 16)
+    SMOKE = dict(width=64, num_blocks=4, microbatch_size=8, microbatch_counts=(1, 2, 4))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
+    measure_config = PipeConfig(width=cfg.width, num_blocks=cfg.num_blocks,
+                                microbatch_size=cfg.microbatch_size)
+    microbatch_counts = list(cfg.microbatch_counts)
     with distributed() as ctx:
         kw = dict(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device)
         ctx.print0(f"{ctx.world_size} stages on {ctx.backend} ({ctx.device})")

@@ -3,7 +3,7 @@
 Run:  ./run.sh 06      (labs/lab06_pipeline.py first, then this lab; one stage per rank)
 
 The model (token embedding + sinusoidal positional encoding, pre-norm Transformer blocks, final
-norm, output linear) is cut before block num_layers / p into p stages in two ways:
+norm, output linear) is cut before block layers / p into p stages in two ways:
 
 - tracer frontend: `pipeline(model, mb_args=(example_microbatch,), split_spec={"layers.2":
   SplitPoint.BEGINNING})` traces the model (torch.export) and `build_stage(pipe.get_stage_module(
@@ -32,29 +32,47 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import distributed
 from helpers.tensors import divide, seeded
 
-# Tolerances against single-process training, float32: micro-batched matmuls add in another
-# order than whole-batch ones (~1e-7 relative); AdamW divides by sqrt(v), which magnifies those
-# differences for weights whose gradients are tiny (~1e-5 after 20 steps).
-LOSS_RTOL = 1e-4
-PARAM_ATOL = 1e-4
+# Tolerances against single-process training, float32 (helpers/runs.py says why these).
+LOSS_RTOL, PARAM_ATOL = runs.LOSS_RTOL, runs.PARAM_ATOL
 
 
 @dataclass(frozen=True)
 class LMConfig:
-    vocab_size: int = 64
-    seq_len: int = 32
-    d_model: int = 64
-    num_heads: int = 4
-    num_layers: int = 4
-    batch_size: int = 16          # sequences per step, cut into num_microbatches
+    """A small language model and its batch: the course's one model config (this lab's TinyLM,
+    notebook 09's pipelines; notebook 12's model takes the same names)."""
+    vocab: int = 64           # tokens
+    dim: int = 64             # model width h
+    heads: int = 4
+    layers: int = 4
+    ffn: int = 256            # MLP width (4 h)
+    seq: int = 32             # tokens per sequence (the context)
+    batch: int = 16           # sequences per optimizer step (the global batch)
+    lr: float = 3e-3          # AdamW, no weight decay
+    seed: int = 0             # the weights' and the data's
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PipelinedLM(LMConfig):
+    """An LMConfig trained pipelined: each batch cut into num_microbatches, for `steps` steps."""
     num_microbatches: int = 4
     steps: int = 20
-    lr: float = 3e-3
-    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Run(runs.Run, PipelinedLM):
+    """This lab's run: PipelinedLM's fields (the model, its batch, micro-batches, steps)."""
+    SMOKE = dict(steps=4)
 
 
 # ------------------------------------------------------------------------------------ the data
@@ -62,32 +80,32 @@ def make_token_batches(config: LMConfig, num_batches: int) -> torch.Tensor:
     """Deterministic offline "language": a Markov chain whose next token is one of 4 successors
     of the current one (fixed random table), so a model can learn it; no download.
 
-    Returns (num_batches, batch_size, seq_len + 1) int64: inputs are [..., :-1], targets [..., 1:].
+    Returns (num_batches, batch, seq + 1) int64: inputs are [..., :-1], targets [..., 1:].
     """
     rng = torch.Generator().manual_seed(config.seed + 7)
-    successors = torch.randint(0, config.vocab_size, (config.vocab_size, 4), generator=rng)
-    count = num_batches * config.batch_size
-    tokens = torch.empty(count, config.seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, config.vocab_size, (count,), generator=rng)
-    for t in range(config.seq_len):
+    successors = torch.randint(0, config.vocab, (config.vocab, 4), generator=rng)
+    count = num_batches * config.batch
+    tokens = torch.empty(count, config.seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, config.vocab, (count,), generator=rng)
+    for t in range(config.seq):
         choice = torch.randint(0, 4, (count,), generator=rng)
         tokens[:, t + 1] = successors[tokens[:, t], choice]
-    return tokens.view(num_batches, config.batch_size, config.seq_len + 1)
+    return tokens.view(num_batches, config.batch, config.seq + 1)
 
 
 # ----------------------------------------------------------------------------------- the model
 class Block(nn.Module):
     """Pre-norm Transformer block: x + attention(norm(x)), then x + MLP(norm(x)); causal."""
 
-    def __init__(self, d_model: int, num_heads: int):
+    def __init__(self, d_model: int, num_heads: int, d_ff: int):
         super().__init__()
         self.num_heads = num_heads
         self.attn_norm = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # a key bias has zero gradient
         self.proj = nn.Linear(d_model, d_model)
         self.mlp_norm = nn.LayerNorm(d_model)
-        self.fc_in = nn.Linear(d_model, 4 * d_model)
-        self.fc_out = nn.Linear(4 * d_model, d_model)
+        self.fc_in = nn.Linear(d_model, d_ff)
+        self.fc_out = nn.Linear(d_ff, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:          # x: (B, T, C)
         B, T, C = x.shape
@@ -115,14 +133,14 @@ class TinyLM(nn.Module):
 
     def __init__(self, config: LMConfig):
         super().__init__()
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
-        self.register_buffer("pos_encoding", sinusoidal_positions(config.seq_len, config.d_model),
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.register_buffer("pos_encoding", sinusoidal_positions(config.seq, config.dim),
                              persistent=False)
         # a dict keyed "0".."L-1": deleting a layer keeps the names of the others
-        self.layers = nn.ModuleDict({str(i): Block(config.d_model, config.num_heads)
-                                     for i in range(config.num_layers)})
-        self.norm = nn.LayerNorm(config.d_model)
-        self.output = nn.Linear(config.d_model, config.vocab_size)
+        self.layers = nn.ModuleDict({str(i): Block(config.dim, config.heads, config.ffn)
+                                     for i in range(config.layers)})
+        self.norm = nn.LayerNorm(config.dim)
+        self.output = nn.Linear(config.dim, config.vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:   # first stage: tokens (B, T) -> hidden (B, T, C)
@@ -144,7 +162,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def train_reference(config: LMConfig, device: torch.device | str = "cpu") -> dict:
+def train_reference(config: PipelinedLM, device: torch.device | str = "cpu") -> dict:
     """Single process, whole batches: the losses and final parameters pipelining must reproduce
     (on the pipeline's device type, so that both use the same kernels)."""
     model = build_model(config).to(device)
@@ -164,11 +182,11 @@ def train_reference(config: LMConfig, device: torch.device | str = "cpu") -> dic
 # ------------------------------------------------------------------------------ the two frontends
 def split_layers(config: LMConfig, num_stages: int) -> list[int]:
     """First layer of stages 1..p-1: an even split of the blocks."""
-    per_stage = divide(config.num_layers, num_stages, "the blocks over the pipeline stages")
+    per_stage = divide(config.layers, num_stages, "the blocks over the pipeline stages")
     return [stage * per_stage for stage in range(1, num_stages)]
 
 
-def split_traced(model: TinyLM, config: LMConfig, *, rank: int, num_stages: int,
+def split_traced(model: TinyLM, config: PipelinedLM, *, rank: int, num_stages: int,
                  device: torch.device, group=None):
     """Tracer frontend: pipeline() + SplitPoint cut the traced model; build_stage wraps our piece.
 
@@ -176,9 +194,9 @@ def split_traced(model: TinyLM, config: LMConfig, *, rank: int, num_stages: int,
     """
     from torch.distributed.pipelining import SplitPoint, build_stage, pipeline
 
-    microbatch_size = divide(config.batch_size, config.num_microbatches,
+    microbatch_size = divide(config.batch, config.num_microbatches,
                              "the batch (sequences) over the micro-batches")
-    example = torch.zeros(microbatch_size, config.seq_len, dtype=torch.long)  # one micro-batch
+    example = torch.zeros(microbatch_size, config.seq, dtype=torch.long)  # one micro-batch
     split_spec = {f"layers.{i}": SplitPoint.BEGINNING for i in split_layers(config, num_stages)}
     with warnings.catch_warnings(record=True) as caught:   # report what tracing warns about
         warnings.simplefilter("always")
@@ -190,13 +208,13 @@ def split_traced(model: TinyLM, config: LMConfig, *, rank: int, num_stages: int,
     return stage_module, lambda: build_stage(stage_module, rank, pipe.info(), device, group), notes
 
 
-def split_manual(model: TinyLM, config: LMConfig, *, rank: int, num_stages: int,
+def split_manual(model: TinyLM, config: PipelinedLM, *, rank: int, num_stages: int,
                  device: torch.device, group=None):
     """Manual frontend: delete what this rank does not own, wrap the rest in PipelineStage."""
     from torch.distributed.pipelining import PipelineStage
 
-    bounds = [0, *split_layers(config, num_stages), config.num_layers]
-    for i in range(config.num_layers):
+    bounds = [0, *split_layers(config, num_stages), config.layers]
+    for i in range(config.layers):
         if not bounds[rank] <= i < bounds[rank + 1]:
             del model.layers[str(i)]
     if rank != 0:
@@ -221,7 +239,7 @@ def schedule_class(name: str):
     return classes[name]
 
 
-def train_pipelined(config: LMConfig, schedule_name: str, stage_module: nn.Module, make_stage,
+def train_pipelined(config: PipelinedLM, schedule_name: str, stage_module: nn.Module, make_stage,
                     *, rank: int, world_size: int, device: torch.device) -> dict:
     """Train this rank's stage with torch.distributed.pipelining (same optimizer as the reference).
 
@@ -281,13 +299,13 @@ def compare(run: dict, reference: dict) -> dict:
     return out
 
 
-def main() -> None:
-    config = LMConfig(steps=pick(20, 4))
+def main(argv: list[str] | None = None) -> None:
+    config = Run.from_argv(argv)
     with distributed() as ctx:
         is_last = ctx.rank == ctx.world_size - 1
-        ctx.print0(f"torch {torch.__version__}: TinyLM {config.num_layers} layers, d_model "
-                   f"{config.d_model}, {ctx.world_size} stages, {config.num_microbatches} "
-                   f"micro-batches of {config.batch_size // config.num_microbatches} sequences")
+        ctx.print0(f"torch {torch.__version__}: TinyLM {config.layers} layers, width "
+                   f"{config.dim}, {ctx.world_size} stages, {config.num_microbatches} "
+                   f"micro-batches of {config.batch // config.num_microbatches} sequences")
         reference = train_reference(config, ctx.device)   # every rank checks its own stage
         if not tracer_available():
             ctx.print0("this torch has no pipeline()/SplitPoint: manual PipelineStage only")
@@ -311,7 +329,7 @@ def main() -> None:
                           f"single process: max relative loss diff {r['max_loss_rel_diff']:.1e} "
                           f"(tolerance {LOSS_RTOL:g}), max |param diff| on this stage "
                           f"{r['max_param_diff']:.1e} (tolerance {PARAM_ATOL:g})", flush=True)
-        ctx.report(runs=results, reference_losses=reference["losses"], config=asdict(config),
+        ctx.report(runs=results, reference_losses=reference["losses"], config=config.as_dict(),
                    torch_version=torch.__version__)
         if is_last:
             print(f"single process: loss {reference['losses'][0]:.4f} -> "

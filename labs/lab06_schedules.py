@@ -282,6 +282,59 @@ def makespan(timeline: list[list[TimedAction]]) -> float:
     return max(a.end for a in actions) - min(a.start for a in actions)
 
 
+TREND_TOL = 0.02  # idle fractions closer than this are "about the same" (timing noise)
+
+
+def bubble_conclusion(name: str, runs: dict[int, dict], num_stages: int, *, smoke: bool,
+                      width: int, microbatch_size: int) -> list[str]:
+    """What one schedule's measured bubbles say, each sentence chosen from the numbers.
+
+    runs[m] = labs/lab06_pipeline.py's measure_schedule for m micro-batches (bubble,
+    forward/backward_seconds, span_seconds, simulated_span_seconds). Compares the measured idle fraction at the smallest and
+    the largest m with the formula's, and computing time per action with the time messages and
+    waiting add per action on the critical path (the measured span minus the replay with free
+    messages, over the 2(m + p - 1) actions of that path); says "not on this run" when the
+    measured bubble did not fall with m as the formula does.
+    """
+    counts = sorted(runs)
+    lo, hi = counts[0], counts[-1]
+    first, last = runs[lo]["bubble"], runs[hi]["bubble"]
+    f_lo, f_hi = bubble_formula(num_stages, lo), bubble_formula(num_stages, hi)
+    trend = ("fell" if last < first - TREND_TOL else "rose" if last > first + TREND_TOL
+             else "stayed about the same")
+    r = runs[hi]
+    compute_ms = 1e3 * (r["forward_seconds"] + r["backward_seconds"]) / 2  # one action, on average
+    waiting_ms = max(0.0, 1e3 * (r["span_seconds"] - r["simulated_span_seconds"])
+                     / (2 * (hi + num_stages - 1)))
+    lines = [f"{name}: measured idle fraction {first:.2f} at m={lo} -> {last:.2f} at m={hi} "
+             f"({trend}); the formula (p-1)/(m+p-1) goes {f_lo:.2f} -> {f_hi:.2f}. An action "
+             f"computes for {compute_ms:.2f} ms on average; messages and waiting add "
+             f"{waiting_ms:.2f} ms per action on the critical path."]
+    small = (f"the stages are so small here (width {width}, micro-batches of {microbatch_size} "
+             "rows) that sending a micro-batch and waiting for it costs more than computing it")
+    rerun = ("the full-size run (without COURSE_SMOKE) makes each action longer" if smoke else
+             "a busy machine does this too: rerun when it is quiet")
+    if trend == "fell" and f_hi < f_lo:
+        above = last - f_hi
+        head = "  -> the measured bubble fell with m, as the formula says"
+        if above <= TREND_TOL:
+            lines.append(f"{head}, and ends within {TREND_TOL} of it at m={hi}.")
+        elif waiting_ms > compute_ms:
+            lines.append(f"{head}, and ends {above:.2f} above it at m={hi}: {small}.")
+        else:
+            lines.append(f"{head}, and ends {above:.2f} above it at m={hi}: the share of messages "
+                         "and waiting (and of the last stage's extra loss computation).")
+    elif f_hi < f_lo:
+        lines.append(f"  -> not on this run: the measured bubble {trend} as m grew, while the "
+                     "formula's falls. " + (f"Messages and waiting dominate: {small}; {rerun}."
+                                            if waiting_ms > compute_ms else
+                                            "Computing dominates here, so a busy machine is the "
+                                            "likely cause: rerun when it is quiet."))
+    else:
+        lines.append("  -> one stage or one micro-batch count: the formula has no trend to follow.")
+    return lines
+
+
 def timeline_from_report(rows: list[list[list]]) -> list[list[TimedAction]]:
     """TimedActions from a measured timeline in JSON: rows[stage] = [[kind, mb, start, end], ...]."""
     return [[TimedAction(stage, k, int(mb), s, e) for k, mb, s, e in actions]

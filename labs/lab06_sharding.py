@@ -12,11 +12,13 @@ one device works at a time: labs/lab06_pipeline.py fixes that with micro-batches
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import distributed, gpu_count
 from labs.lab06_pipeline import PipeConfig, build_full_model, build_stage_module, make_batch
 
@@ -61,10 +63,21 @@ def sharded_gradient_check(config: PipeConfig, num_shards: int = 2) -> dict:
                                  for n, p in whole.named_parameters())}
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The model sharded over the devices: blocks of Linear(width, width)."""
+    width: int = 512
+    num_blocks: int = 4
+    microbatch_size: int = 32
+    SMOKE = dict(width=64)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
         if ctx.rank == 0:   # one process drives every shard
-            config = PipeConfig(width=pick(512, 64), num_blocks=4, microbatch_size=32)
+            config = PipeConfig(width=cfg.width, num_blocks=cfg.num_blocks,
+                                microbatch_size=cfg.microbatch_size)
             check = sharded_gradient_check(config)
             print(f"shards on {check['devices']}: |loss(sharded) - loss(whole)| = "
                   f"{check['loss_diff']:.1e}, max |grad(sharded) - grad(whole)| = "

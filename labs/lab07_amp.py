@@ -25,10 +25,11 @@ Two experiments measure what goes wrong otherwise:
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 
 import torch
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from labs.lab07_low_precision import make_autoencoder, make_signals, reconstruction_loss
 
@@ -131,10 +132,19 @@ def resume_experiment(steps: int, stop_at: int, amplitude: float = 100.0, lr: fl
     return {"stop_at": stop_at, "runs": runs}
 
 
-def lab(ctx: DistContext) -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Steps of the clipping experiment; steps of the resume experiment and where it stops."""
+    clip_steps: int = 60
+    resume_steps: int = 40
+    stop_at: int = 20
+    SMOKE = dict(clip_steps=20, resume_steps=24, stop_at=12)
+
+
+def run(ctx: DistContext, cfg: Run) -> None:
     """Run both experiments (deterministic: every rank gets the same numbers), print on rank 0."""
-    clip = clipping_experiment(steps=pick(60, 20))
-    resume = resume_experiment(steps=pick(40, 24), stop_at=pick(20, 12))
+    clip = clipping_experiment(steps=cfg.clip_steps)
+    resume = resume_experiment(steps=cfg.resume_steps, stop_at=cfg.stop_at)
     for label, run in clip.items():
         norms = sorted(n for n in run["norms"] if n == n and n != float("inf"))
         ctx.print0(f"{label:24s}: loss {run['losses'][0]:.4g} -> {run['losses'][-1]:.4g}, median "
@@ -145,9 +155,10 @@ def lab(ctx: DistContext) -> None:
     ctx.report(clipping=clip, resume=resume)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        lab(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.show import format_table
 
@@ -285,11 +286,19 @@ def autocast_output_dtypes(device_type: str, dtype: torch.dtype, size: int = 8) 
     return list(rows.values())
 
 
-def lab(ctx: DistContext) -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The matmul whose rounding errors are measured (n x n), and the one timed on a GPU."""
+    matmul_n: int = 1024
+    speed_n: int = 8192
+    SMOKE = dict(matmul_n=128, speed_n=2048)
+
+
+def run(ctx: DistContext, cfg: Run) -> None:
     """Print (rank 0) and report the formats, tf32/bf16 matmul errors, autocast dtypes and, on a
     GPU, matmul speed with and without TF32."""
     ctx.print0(format_table(formats_table(), floatfmt=".4g"))
-    n = pick(1024, 128)
+    n = cfg.matmul_n
     errors = matmul_errors(n)
     ctx.print0(f"\nrelative error of a {n} x {n} matmul, inputs rounded to each format:")
     ctx.print0(format_table(errors, floatfmt=".2e"))
@@ -298,7 +307,7 @@ def lab(ctx: DistContext) -> None:
     ctx.print0(format_table(cpu_bf16))
     speed = None
     if ctx.device.type == "cuda":
-        speed = matmul_speed(ctx.device, n=pick(8192, 1024))
+        speed = matmul_speed(ctx.device, n=cfg.speed_n)
         ctx.print0(f"\nmatmul speed on {ctx.device}:")
         ctx.print0(format_table(speed, floatfmt=".3g"))
     else:
@@ -311,9 +320,10 @@ def lab(ctx: DistContext) -> None:
                matmul_speed=speed, running_sum_stalls=stalls, tf32_switches=tf32_switches())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        lab(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ Training", arXiv:1710.03740). Formats and autocast: labs/lab07_formats.py; GradS
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.tensors import divide, seeded
 
@@ -362,9 +363,20 @@ def run_lab(ctx: DistContext, steps: int, global_batch_size: int) -> dict:
             (results[fp32_label]["params"] - reference).abs().max().item()}
 
 
-def lab(ctx: DistContext) -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The data-parallel trainings' steps and global batch; notebook 07's precision race (its
+    steps) and the warm-up before its gradient histogram."""
+    steps: int = 200
+    global_batch: int = 256
+    curve_steps: int = 300
+    warm_steps: int = 150
+    SMOKE = dict(steps=20, curve_steps=40, warm_steps=30)
+
+
+def run(ctx: DistContext, cfg: Run) -> None:
     """Run the three DP trainings, print a summary (rank 0) and report the measurements."""
-    steps, global_batch_size = pick(200, 20), 256
+    steps, global_batch_size = cfg.steps, cfg.global_batch
     out = run_lab(ctx, steps, global_batch_size)
     runs = out["runs"]
     ctx.print0(f"{ctx.world_size} ranks on {ctx.device} ({ctx.backend}), {steps} steps, "
@@ -384,9 +396,10 @@ def lab(ctx: DistContext) -> None:
                params_checksum={label: run["params"].double().sum().item() for label, run in runs.items()})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        lab(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

@@ -7,26 +7,26 @@ Run:  ./run.sh 07      (or: ./run.sh labs/lab07_memory.py; rank 0 prints the cou
                         checkpointing sweep; the numbers are the same on every rank)
 
 Two ways to see memory: *counting* what autograd saves for backward (`SavedTensorBytes`, a
-saved-tensors hook; exact, and what the formulas talk about) and *measuring* every allocation
-(`peak_memory`: torch.profiler with profile_memory=True on the CPU; `torch.cuda.max_memory_allocated`
-does it on a GPU), which also sees the temporaries and the recomputation during backward.
+saved-tensors hook, helpers/memory.py: exact, and what the formulas talk about) and *measuring*
+every allocation (`peak_memory`: torch.profiler with profile_memory=True on the CPU;
+`torch.cuda.max_memory_allocated` does it on a GPU), which also sees the temporaries and the
+recomputation during backward.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import os
-import sys
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
+from helpers.memory import SavedTensorBytes, allocations, event_start, memory_profile
 from helpers.tensors import nbytes, seeded
 
 # ---------------------------------------------------------------------------------------------
@@ -78,59 +78,6 @@ def run_blocks(model: nn.Sequential, x: torch.Tensor, use_checkpoint: bool = Fal
 # ---------------------------------------------------------------------------------------------
 # Counting memory: parameters, gradients, optimizer state, activations
 # ---------------------------------------------------------------------------------------------
-class SavedTensorBytes:
-    """Counts the bytes autograd saves for backward while the context is active.
-
-    torch.autograd.graph.saved_tensors_hooks sees every tensor an op stashes for its backward.
-    Tensors sharing one storage are counted once; storages of `exclude` (the parameters, which
-    exist anyway) are not counted. `weight_copy_bytes` is the part that are copies of parameters
-    (under autocast: the bf16 casts of the weights, found through their grad_fn chain).
-    """
-
-    def __init__(self, exclude: list[torch.Tensor] = ()):
-        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
-        self.parameters = {id(t) for t in exclude}
-        self.storages: dict[int, int] = {}       # storage address -> bytes
-        self.weight_copies: set[int] = set()     # storage addresses that hold parameter casts
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.excluded:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-            if self._is_parameter_copy(t):
-                self.weight_copies.add(storage.data_ptr())
-        return t
-
-    def _is_parameter_copy(self, t: torch.Tensor) -> bool:
-        """t = (view of) a cast of a parameter: grad_fn chain like TBackward0 -> ToCopyBackward0
-        -> AccumulateGrad(parameter)."""
-        fn = t.grad_fn
-        for _ in range(4):
-            if fn is None:
-                return False
-            if type(fn).__name__ == "AccumulateGrad":
-                return id(fn.variable) in self.parameters
-            inputs = [f for f, _ in fn.next_functions if f is not None]
-            fn = inputs[0] if len(inputs) == 1 else None
-        return False
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    @property
-    def weight_copy_bytes(self) -> int:
-        return sum(self.storages[s] for s in self.weight_copies)
-
-    def __enter__(self) -> "SavedTensorBytes":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-
 MEMORY_PRECISIONS = ("fp32", "bf16 autocast", "bf16")
 
 
@@ -186,65 +133,21 @@ def accumulate_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mic
 # ---------------------------------------------------------------------------------------------
 # Measuring the peak: every allocation, forward and backward (recomputation included)
 # ---------------------------------------------------------------------------------------------
-def _allocations(prof) -> list[tuple[int, int]]:
-    """(time ns, bytes: + allocated / - freed) of every CPU allocation the profiler recorded."""
-    from torch._C._profiler import _EventType
-
-    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            found.append((node.start_time_ns, node.extra_fields.alloc_size))
-        stack.extend(node.children)
-    return sorted(found)
-
-
-def _start_of(prof, name: str) -> int:
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.name == name:
-            return node.start_time_ns
-        stack.extend(node.children)
-    raise ValueError(f"no event {name!r} in the profile")
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence file descriptor 2 for the block: the profiler's C++ side (kineto) prints a
-    "profiler_start" / "profiler_stop" line there that no setting turns off."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def peak_memory(forward: Callable[[], torch.Tensor]) -> dict[str, int]:
     """Run `loss = forward()` and `loss.backward()` on the CPU under torch.profiler
     (profile_memory=True) and replay its allocation events. Returns, in bytes above the level
     before the step: "after forward" (what the forward pass left allocated: mostly the saved
     activations), "peak forward" and "peak backward" (the highest level during each phase)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
-        prof.start()
-    try:
+    with memory_profile() as prof:
         loss = forward()
         with record_function("course::backward"):
             loss.backward()
         del loss
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-    backward_starts = _start_of(prof, "course::backward")
+    backward_starts = event_start(prof, "course::backward")
     level, peaks, after_forward = 0, {"forward": 0, "backward": 0}, None
-    for time_ns, size in _allocations(prof):
+    for time_ns, size in allocations(prof):
         phase = "forward" if time_ns < backward_starts else "backward"
         if phase == "backward" and after_forward is None:
             after_forward = level
@@ -292,25 +195,41 @@ def checkpointing_sweep(depths: list[int], width: int, rows: int) -> list[dict]:
     return rows_out
 
 
-def lab(ctx: DistContext) -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The model whose Adam step is counted (8 blocks of width, a batch of rows); the depths,
+    width and rows of the checkpointing sweep; notebook 07's gradient-accumulation model."""
+    width: int = 512
+    rows: int = 512
+    depths: tuple[int, ...] = (4, 16, 64, 256)
+    sweep_width: int = 64
+    sweep_rows: int = 128
+    accumulate_width: int = 256
+    accumulate_rows: int = 256
+    SMOKE = dict(width=128, rows=128, depths=(4, 16, 64), sweep_width=32, sweep_rows=32,
+                 accumulate_width=64, accumulate_rows=64)
+
+
+def run(ctx: DistContext, cfg: Run) -> None:
     """Count one Adam step's bytes and sweep checkpointing over depth; print on rank 0."""
     from helpers.show import format_table
 
-    width, rows = pick(256, 64), pick(256, 64)
+    width, rows = cfg.width, cfg.rows
     model = make_blocks(width, 8)
     x, y = make_regression_data(rows, width)
     counts = {precision: count_training_memory(model, x, y, precision) for precision in MEMORY_PRECISIONS}
     ctx.print0(format_table([{"precision": p, **{k: v / 2**20 for k, v in c.items()}}
                              for p, c in counts.items()], floatfmt=".3g"))
-    sweep = checkpointing_sweep(pick([4, 16, 64, 256], [4, 16]), pick(64, 32), pick(128, 32))
+    sweep = checkpointing_sweep(list(cfg.depths), cfg.sweep_width, cfg.sweep_rows)
     ctx.print0(format_table([{k: r[k] for k in ("depth", "mode", "peak backward / block input")}
                              for r in sweep], floatfmt=".1f"))
     ctx.report(counts=counts, checkpointing=sweep)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        lab(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed, synchronize
 from helpers.tensors import divide, nbytes
 from labs.lab07_memory import SavedTensorBytes, make_blocks, make_regression_data
@@ -252,10 +252,22 @@ def run_lab(ctx: DistContext, *, width: int, depth: int, num_parts: int, global_
             "swap_device": str(device.device)}
 
 
-def lab(ctx: DistContext) -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The model swapped in parts (depth blocks of width, in num_parts), the global batch, its
+    micro-batches, and the steps."""
+    width: int = 256
+    depth: int = 8
+    num_parts: int = 8
+    global_batch_size: int = 64
+    micro_batches: int = 2
+    steps: int = 10
+    SMOKE = dict(width=64, steps=3)
+
+
+def run(ctx: DistContext, cfg: Run) -> None:
     """Train the swapped model on this rank's budget, print a summary and report the numbers."""
-    config = dict(width=pick(256, 64), depth=8, num_parts=8, global_batch_size=64,
-                  micro_batches=2, steps=pick(10, 3))
+    config = cfg.values()
     out = run_lab(ctx, **config)
     ctx.print0(f"{ctx.world_size} ranks, device {out['swap_device']}: model parameters "
                f"{out['model_bytes'] / 2**20:.2f} MiB, budget {out['budget_bytes'] / 2**20:.2f} MiB")
@@ -269,9 +281,10 @@ def lab(ctx: DistContext) -> None:
     ctx.report(config=config, **out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        lab(ctx)
+        run(ctx, cfg)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ Homework: ShardedOptimizer below (`__init__`, `add_param_group`, `step`; stretch
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -29,13 +30,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers import runs
 from helpers.accounting import held_bytes, tensors_held_by
 from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import reduce_scatter_single
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
 from helpers.show import table
-from labs.lab08_zero import LR, max_diff, my_rows, problem, spread_over_ranks
+from labs.lab08_zero import LR, PROBLEM_SMOKE, Problem, max_diff, my_rows, problem, spread_over_ranks
 
 
 # ============================================================================ the homework
@@ -228,8 +230,14 @@ def train_zero_redundancy(model: nn.Module, batches: list, device: torch.device)
             "optimizer_bytes": optimizer_held(result["optimizer"], result["model"])}
 
 
-def run(ctx: DistContext) -> dict:
-    model, batches, reference, shape = problem()
+@dataclass(frozen=True)
+class Run(runs.Run, Problem):
+    """Lab 08's problem (labs/lab08_zero.py)."""
+    SMOKE = PROBLEM_SMOKE
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    model, batches, reference, shape = problem(cfg)
     num_params = sum(p.numel() for p in reference)
     unsharded = copy.deepcopy(model)
     full_state = optimizer_held(_one_adam_step(unsharded, batches[0]), unsharded)
@@ -255,9 +263,10 @@ def _one_adam_step(model: nn.Module, batch) -> torch.optim.Optimizer:
     return optimizer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = run(ctx)
+        out = run(ctx, cfg)
         if ctx.rank != 0:
             return
         rows = []

@@ -21,6 +21,7 @@ Run:  ./run.sh 08      (this file alone: ./run.sh labs/lab08_torch_sharding.py)
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,13 +32,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from helpers import runs
 from helpers.accounting import held_bytes
 from helpers.comm_count import count_collectives, summarize
 from helpers.dist import DistContext, distributed
 from helpers.show import table
 from helpers.tensors import ddp_device_ids
-from labs.lab08_zero import (LR, PARTS, max_diff, model_state_bytes, my_rows, optimizer_state_tensors,
-                             problem, run_stage, spread_over_ranks, step_sent_bytes)
+from labs.lab08_zero import (LR, PARTS, PROBLEM_SMOKE, Problem, max_diff, model_state_bytes, my_rows,
+                             optimizer_state_tensors, problem, run_stage, spread_over_ranks,
+                             step_sent_bytes)
 
 
 def train_fsdp2(model: nn.Sequential, batches: list, device: torch.device) -> dict:
@@ -97,8 +100,14 @@ def cpu_offload_probe(device: torch.device) -> dict:
             "compute_device": str(device)}
 
 
-def run(ctx: DistContext) -> dict:
-    model, batches, reference, shape = problem()
+@dataclass(frozen=True)
+class Run(runs.Run, Problem):
+    """Lab 08's problem (labs/lab08_zero.py)."""
+    SMOKE = PROBLEM_SMOKE
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    model, batches, reference, shape = problem(cfg)
     num_params = sum(p.numel() for p in reference)
     n = ctx.world_size
     out = {"num_params": num_params, "world_size": n, "width": shape["width"],
@@ -146,9 +155,10 @@ def comparison_rows(out: dict) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = run(ctx)
+        out = run(ctx, cfg)
         if ctx.rank == 0:
             table(comparison_rows(out), floatfmt=".3g", title=f"torch's ZeRO vs ours on "
                   f"{ctx.world_size} ranks, {out['num_params']:,} parameters (per rank)")

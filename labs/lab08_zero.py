@@ -32,7 +32,6 @@ for stage 3, how many gathered parameter bytes were alive at once.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import math
@@ -46,11 +45,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from helpers import pick
+from helpers import runs
 from helpers.accounting import backend_released, held_bytes
 from helpers.comm_count import count_collectives, summarize
 from helpers.comm_bench import all_gather_single, reduce_scatter_single
-from helpers.dist import DistContext, distributed
+from helpers.dist import DistContext, distributed, new_group
 from helpers.show import table
 from helpers.tensors import divide
 from labs.lab07_memory import make_blocks
@@ -386,26 +385,46 @@ def run_stage(stage: int, model: nn.Module, batches: list, reference: list[torch
             "gathered_events": gathered_events if stage == 3 else None}
 
 
-def problem() -> tuple[nn.Module, list, list[torch.Tensor], dict]:
-    """What every lab 08 run trains: the model, its batches, the parameters one process reaches
-    after training on them, and the sizes (width, depth, steps, global_batch; smoke: smaller)."""
-    shape = dict(width=pick(256, 32), depth=pick(8, 4), steps=pick(6, 3),
-                 global_batch=pick(96, 24))  # rows divisible by 2, 3 and 4 ranks
+@dataclass(frozen=True)
+class Problem:
+    """What every lab 08 run trains: `depth` blocks of `width`, Adam for `steps` steps on global
+    batches of `global_batch` rows (divisible by 2, 3 and 4 ranks)."""
+    width: int = 256
+    depth: int = 8
+    steps: int = 6
+    global_batch: int = 96
+
+
+PROBLEM_SMOKE = dict(width=32, depth=4, steps=3, global_batch=24)
+
+
+@dataclass(frozen=True)
+class Run(runs.Run, Problem):
+    """The problem, and the group sizes every stage runs on (the first n ranks for each n;
+    empty: all ranks), e.g. `--sizes 2,4` on 4 ranks."""
+    sizes: tuple[int, ...] = ()
+    SMOKE = PROBLEM_SMOKE
+
+
+def problem(cfg: Problem) -> tuple[nn.Module, list, list[torch.Tensor], dict]:
+    """The model, its batches, the parameters one process reaches after training on them, and
+    the sizes (width, depth, steps, global_batch)."""
+    shape = {k: getattr(cfg, k) for k in ("width", "depth", "steps", "global_batch")}
     model = make_model(shape["width"], shape["depth"])
     batches = make_batches(shape["steps"], shape["global_batch"], shape["width"])
     return model, batches, train_one_process(model, batches), shape
 
 
-def run(ctx: DistContext, sizes: list[int] | None = None) -> dict[int, list[dict]]:
-    """Every stage on the first n ranks, for each n in `sizes` (default: all ranks); ranks
+def run(ctx: DistContext, cfg: Run) -> dict[int, list[dict]]:
+    """Every stage on the first n ranks, for each n in `cfg.sizes` (empty: all ranks); ranks
     outside a group wait for the next one. Returns and reports {n: one record per stage}."""
-    sizes = sizes or [ctx.world_size]
+    sizes = list(cfg.sizes) or [ctx.world_size]
     if max(sizes) > ctx.world_size or min(sizes) < 1:
         raise ValueError(f"--sizes {sizes}: each must be between 1 and the {ctx.world_size} ranks")
-    model, batches, reference, shape = problem()
+    model, batches, reference, shape = problem(cfg)
     runs = {}
     for n in sizes:
-        group = None if n == ctx.world_size else dist.new_group(list(range(n)))  # every rank calls
+        group = None if n == ctx.world_size else new_group(list(range(n)), name=f"first {n} ranks")
         if ctx.rank < n:
             runs[n] = [run_stage(stage, model, batches, reference, ctx.device, group)
                        for stage in STAGES]
@@ -428,13 +447,10 @@ def memory_rows(stages: list[dict]) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="", help="comma-separated group sizes to run, e.g. 2,4 "
-                        "(default: all ranks)")
-    sizes = [int(s) for s in parser.parse_args().sizes.split(",") if s]
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        runs = run(ctx, sizes)
+        runs = run(ctx, cfg)
         for n, stages in runs.items() if ctx.rank == 0 else ():
             table(memory_rows(stages), floatfmt=".3g", title=f"ZeRO by hand on {n} ranks, "
                   f"{stages[0]['num_params']:,} parameters, Adam in fp32 (per rank)")

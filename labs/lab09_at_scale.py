@@ -143,12 +143,13 @@ MODELS = {"7B": GPT_7B, "70B": GPT_70B}
 def explore(model_name: str, gpus: int, tp: int, pp: int, zero_stage: int, recompute: str,
             schedule: str, micro_batch: int = 1, cluster: ClusterSpec = H100_CLUSTER) -> dict:
     """What the notebook's explorer shows for one configuration of MODELS[model_name]: {"error":
-    why it does not split, or None; "config"; what needs no exercise: "links" (`axis_links`) and
-    "schedule" (the simulated bubble / ideal time with t_B = 2 t_F and free messages, and the
-    micro-batches stage 0 holds); then the planner's "memory" and "time" rows (GB, seconds) and
-    "summary" (fits, step time, MFU, tokens/s), or, while `plan_memory` or `plan_step_time` is
-    still a stub (student edition), "unsolved": its message}. Interleaving uses v = 2; sequence
-    parallelism when tp > 1."""
+    why it does not split, or None; "config"; what needs no exercise: "model" (its shape, batch
+    and parameters), "links" (`axis_links`) and "schedule" (the simulated bubble / ideal time
+    with t_B = 2 t_F and free messages, and the micro-batches stage 0 holds); then the planner's
+    "memory" rows (GB, from `plan_memory`), "time" rows (seconds, from `plan_step_time`) and,
+    with both, "summary" (fits, step time, MFU, tokens/s); while either exercise is still a stub
+    (student edition), "unsolved": the stubs' messages, one per exercise}. Interleaving uses
+    v = 2; sequence parallelism when tp > 1."""
     model = MODELS[model_name]
     if gpus % (tp * pp):
         return {"error": f"{gpus} GPUs are not a multiple of tp x pp = {tp * pp}"}
@@ -168,19 +169,26 @@ def explore(model_name: str, gpus: int, tp: int, pp: int, zero_stage: int, recom
     if pp > 1:
         timing = pipeline_timing(config.schedule, pp, config.micro_batches, 1.0, 2.0, config.virtual_stages)
     out = {"error": None, "config": asdict(config), "links": axis_links(cluster, config),
+           "model": {"name": model.name, "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
+                     "seq": model.seq, "global batch": model.global_batch, "parameters": model.params},
            "schedule": {"bubble / ideal": timing["bubble_ratio"], "held on stage 0": timing["peak_held"]}}
-    plans = attempt(lambda: (plan_memory(model, config), plan_step_time(model, cluster, config)))
-    if isinstance(plans, dict):           # {"unsolved": message}: the planner is still an exercise
-        return {**out, **plans}
-    memory, time = plans
-    return {**out,
-            "memory": {"parameters": memory.parameters / GB, "gradients": memory.gradients / GB,
-                       "optimizer state": memory.optimizer_state / GB, "activations": memory.activations / GB},
-            "time": {"compute": time.compute, "tensor parallel": time.tp_comm, "pipeline messages": time.pp_comm,
-                     "bubble": time.bubble, "data parallel": time.dp_comm},
-            "summary": {"fits": memory.total <= cluster.memory_bytes, "GB per GPU": memory.total / GB,
-                        "step s": time.total, "MFU": mfu(model, cluster, gpus, time.total),
-                        "tokens/s": model.global_batch * model.seq / time.total}}
+    # each exercise on its own: one solved shows its part, and each stub its own notice
+    memory = attempt(plan_memory, model, config)
+    time = attempt(plan_step_time, model, cluster, config)
+    unsolved = [p["unsolved"] for p in (memory, time) if isinstance(p, dict)]
+    if unsolved:
+        out["unsolved"] = list(dict.fromkeys(unsolved))  # plan_step_time may stop on plan_memory's
+    if not isinstance(memory, dict):
+        out["memory"] = {"parameters": memory.parameters / GB, "gradients": memory.gradients / GB,
+                         "optimizer state": memory.optimizer_state / GB, "activations": memory.activations / GB}
+    if not isinstance(time, dict):
+        out["time"] = {"compute": time.compute, "tensor parallel": time.tp_comm, "pipeline messages": time.pp_comm,
+                       "bubble": time.bubble, "data parallel": time.dp_comm}
+    if not unsolved:
+        out["summary"] = {"fits": memory.total <= cluster.memory_bytes, "GB per GPU": memory.total / GB,
+                          "step s": time.total, "MFU": mfu(model, cluster, gpus, time.total),
+                          "tokens/s": model.global_batch * model.seq / time.total}
+    return out
 
 
 AXES = (("tensor", "tp"), ("pipeline", "pp"), ("data", "dp"))
@@ -188,14 +196,16 @@ AXES = (("tensor", "tp"), ("pipeline", "pp"), ("data", "dp"))
 
 def axis_links(cluster: ClusterSpec, config: ParallelConfig) -> list[dict]:
     """Per axis: its group size, the link its group crosses (`axis_link`: ranks laid out tp
-    fastest, then dp, then pp) and that link's bandwidth per direction and latency per step."""
+    fastest, then dp, then pp) and that link's bandwidth per direction and latency per ring step
+    (one hop of a collective's ring: an all-reduce on n GPUs takes 2(n-1) of them)."""
     rows = []
     for axis, key in AXES:
         link = axis_link(cluster, config, key)
         inside = (link.latency_s, link.bytes_per_s) == (cluster.intra_latency_s, cluster.intra_bytes_per_s)
         rows.append({"axis": axis, "group size": getattr(config, key),
                      "link": "inside a node" if inside else "between nodes",
-                     "GB/s of that link": link.bytes_per_s / GB, "us per step": link.latency_s * 1e6})
+                     "GB/s of that link": link.bytes_per_s / GB,
+                     "latency per ring step, us": link.latency_s * 1e6})
     return rows
 
 

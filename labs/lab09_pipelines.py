@@ -25,20 +25,32 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from helpers import pick
-from helpers.dist import DistContext, distributed
+from helpers import runs
+from helpers.dist import DistContext, distributed, new_group
 from helpers.show import table
-from labs.lab06_pipelining_api import (LOSS_RTOL, PARAM_ATOL, LMConfig, TinyLM, build_model, lm_loss,
+from labs.lab06_pipelining_api import (LOSS_RTOL, PARAM_ATOL, PipelinedLM, TinyLM, build_model, lm_loss,
                                        make_token_batches, max_param_diff, train_reference)
 from labs.lab09_schedules import interleaved_stages, v_stages
 
 SCHEDULES = ("Interleaved1F1B", "ZBVZeroBubble")
 PIPELINE_RANKS = 2       # the pipeline: ranks 0 and 1, two stages each
+
+
+@dataclass(frozen=True)
+class Run(runs.Run, PipelinedLM):
+    """Notebook 06's model cut into 2 * PIPELINE_RANKS stages of one block each (ZB-V needs at
+    least 2p - 1 micro-batches: 2p), its batch and steps."""
+    layers: int = 2 * PIPELINE_RANKS
+    batch: int = 4 * PIPELINE_RANKS
+    num_microbatches: int = 2 * PIPELINE_RANKS
+    steps: int = 10
+    SMOKE = dict(dim=32, ffn=128, seq=16, steps=2)
+    MIN_RANKS = PIPELINE_RANKS
 
 
 def stages_of(schedule: str, rank: int, num_ranks: int) -> list[int]:
@@ -60,20 +72,20 @@ def stage_module(model: TinyLM, stage: int, num_stages: int) -> TinyLM:
     return module
 
 
-def make_schedule(name: str, stages: list, config: LMConfig):
+def make_schedule(name: str, stages: list, config: PipelinedLM):
     from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
     cls = {"Interleaved1F1B": ScheduleInterleaved1F1B, "ZBVZeroBubble": ScheduleZBVZeroBubble}[name]
     return cls(stages, n_microbatches=config.num_microbatches, loss_fn=lm_loss, scale_grads=True)
 
 
-def train(ctx: DistContext, name: str, config: LMConfig, group=None) -> dict:
+def train(ctx: DistContext, name: str, config: PipelinedLM, group=None) -> dict:
     """Train with schedule `name` over `group` (all ranks: None); this rank's losses (if it holds
     the last stage), its stages' parameters after the steps, every rank's action order, and the
     median step time."""
     from torch.distributed.pipelining import PipelineStage
 
-    num_stages = config.num_layers                                # one block per stage
+    num_stages = config.layers                                    # one block per stage
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     mine = stages_of(name, rank, ranks)
     if max(mine) >= num_stages or 2 * ranks != num_stages:
@@ -103,17 +115,15 @@ def train(ctx: DistContext, name: str, config: LMConfig, group=None) -> dict:
             "step_s": sorted(seconds[1:] or seconds)[len(seconds[1:] or seconds) // 2]}
 
 
-def run(ctx: DistContext) -> dict:
+def run(ctx: DistContext, config: Run) -> dict:
     """Both schedules on ranks 0 and 1 against single-process training of the same model on the
     same batches; other ranks (if any) only join the group's creation."""
-    group = None if ctx.world_size == PIPELINE_RANKS else dist.new_group(list(range(PIPELINE_RANKS)))
+    group = (None if ctx.world_size == PIPELINE_RANKS
+             else new_group(list(range(PIPELINE_RANKS)), name="pipeline"))
     if ctx.rank >= PIPELINE_RANKS:
         return {"idle": True}
-    p = PIPELINE_RANKS      # ZB-V needs at least 2p - 1 micro-batches: take 2p
-    config = LMConfig(num_layers=2 * p, d_model=pick(64, 32), seq_len=pick(32, 16),
-                      batch_size=4 * p, num_microbatches=2 * p, steps=pick(10, 2))
     reference = train_reference(config, ctx.device)
-    out = {"config": asdict(config), "reference_losses": reference["losses"], "runs": {}}
+    out = {"config": config.as_dict(), "reference_losses": reference["losses"], "runs": {}}
     for name in SCHEDULES:
         result = train(ctx, name, config, group)
         losses = result["losses"]
@@ -125,11 +135,12 @@ def run(ctx: DistContext) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
         if ctx.world_size < PIPELINE_RANKS:
             raise ValueError(f"this lab needs at least {PIPELINE_RANKS} ranks, got {ctx.world_size}")
-        result = run(ctx)
+        result = run(ctx, cfg)
         ctx.report(**result)
         rows = [] if result.get("idle") else [{"schedule": name, "rank": ctx.rank, "stages": r["stages"],
                  "max |param diff|": r["max_param_diff"],

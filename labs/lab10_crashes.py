@@ -19,12 +19,10 @@ traceback instead of "error_file: <N/A>".
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
 import socket
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from helpers import runs
 from helpers.dist import distributed
 from helpers.launch import LaunchError, launch
 
@@ -76,11 +75,20 @@ def forward(rank: int, step: int, crash: str, device) -> torch.Tensor | None:
     return scores.mean().reshape(1)
 
 
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Which crash to plant: none (rank 1's out-of-memory error is caught, the step skipped),
+    oom (not caught) or kill (SIGKILL mid-step)."""
+    crash: str = "none"
+
+    def __post_init__(self):
+        if self.crash not in ("none", "oom", "kill"):
+            raise ValueError(f"--crash must be none, oom or kill, got {self.crash!r}")
+
+
 @record  # torchrun's summary then shows this rank's traceback (TORCHELASTIC_ERROR_FILE)
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--crash", choices=["none", "oom", "kill"], default="none")
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None) -> None:
+    args = Run.from_argv(argv)
     crash = "recoverable" if args.crash == "none" else args.crash
     with distributed() as ctx:
         skipped = []
@@ -206,4 +214,4 @@ def crash_drills(nproc: int = 2, timeout: float = 120.0) -> dict[str, Drill]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

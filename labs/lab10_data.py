@@ -26,6 +26,8 @@ global batches (N ranks with local batch B train exactly like one process with b
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import warnings
 
 import torch
@@ -35,8 +37,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers import pick
-from helpers.dist import distributed
+from helpers import runs
+from helpers.dist import DistContext, distributed, new_group
 from helpers.show import table
 from helpers.tensors import ddp_device_ids, divide, seeded
 
@@ -185,7 +187,7 @@ def all_gather_backward(rank: int, world_size: int) -> dict:
     """Each rank's block's gradient of the sum of every rank's loss, three ways, against one
     process that computes that sum itself: the largest |difference| over the ranks, per way.
     On a gloo group and CPU tensors even on a GPU machine (nccl takes another path in torch)."""
-    group = dist.new_group(backend="gloo")
+    group = new_group(name="all_gather backward", backend="gloo")
     blocks = [torch.randn(BHSD, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
     reference = [b.clone().requires_grad_() for b in blocks]
     sum(gathered_loss(reference, r) for r in range(world_size)).backward()
@@ -210,8 +212,16 @@ def all_gather_backward(rank: int, world_size: int) -> dict:
     return out
 
 
-def run(rank: int, world_size: int, device) -> dict:
-    size = pick(256, 128)
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Samples in the dataset (divisible by the ranks' local batches)."""
+    dataset_size: int = 256
+    SMOKE = dict(dataset_size=128)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
+    size = cfg.dataset_size
     divide(size, world_size * LOCAL_BATCH, "the dataset over the ranks' local batches")
     data = dataset(size)
     out = {"world_size": world_size, "dataset_size": size, "local_batch": LOCAL_BATCH, "lr": LR}
@@ -279,9 +289,10 @@ def run(rank: int, world_size: int, device) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = run(ctx.rank, ctx.world_size, ctx.device)
+        out = run(ctx, cfg)
         ctx.report(data=out)
         if ctx.rank != 0:
             return

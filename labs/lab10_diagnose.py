@@ -14,9 +14,9 @@ bugs these jobs plant, so one launch serves three sections of the notebook.
 """
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass
 
-from helpers import pick
+from helpers import runs
 from helpers.config import settings
 from helpers.dist import distributed
 from helpers.notice import attempt
@@ -96,17 +96,27 @@ def verdicts(jobs: list[tuple[str, int, int]], outputs: list[dict]) -> list[dict
     return rows
 
 
-def main(argv: list[str]) -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Mystery jobs to diagnose; with `lessons` (the notebook's launch) lab10_divergence's and
+    lab10_data's runs come first, on their presets."""
+    jobs: int = 6
+    lessons: bool = False
+    SMOKE = dict(jobs=4)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     seed = settings().lab10_seed or 0
     with distributed() as ctx:
         # on 3 ranks or more, every other job uses 2 of them
         jobs = [(plant(seed + i), seed + i, ctx.world_size if i % 2 == 0 or ctx.world_size == 2 else 2)
-                for i in range(pick(6, 4))]
+                for i in range(cfg.jobs)]
         lessons = {}
-        if "--lessons" in argv:
+        if cfg.lessons:
             from labs import lab10_data, lab10_divergence
-            lessons = {"divergence": lab10_divergence.run(ctx.rank, ctx.world_size, ctx.device),
-                       "data": lab10_data.run(ctx.rank, ctx.world_size, ctx.device)}
+            lessons = {"divergence": runs.run_lab(lab10_divergence, ctx),
+                       "data": runs.run_lab(lab10_data, ctx)}
         outputs = gather_outputs(run_jobs(jobs, ctx.rank, ctx.world_size), ctx.world_size)
         if ctx.rank == 0:
             ctx.report(jobs=jobs, outputs=outputs, **lessons)
@@ -116,4 +126,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

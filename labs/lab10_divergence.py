@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import pick
+from helpers import runs
 from helpers.comm_count import count_collectives
-from helpers.dist import distributed
+from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
 from helpers.show import table
 from helpers.tensors import seeded
@@ -244,8 +244,19 @@ def checked_run(bug: str, rank: int, world_size: int, device, steps: int, every:
             "checks": checks, "bytes_per_check": log.input_bytes / checks}
 
 
-def run(rank: int, world_size: int, device) -> dict:
-    steps, every, reinit_step = pick(12, 8), 1, pick(5, 3)
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Steps trained, how often replicas are compared, and the step a planted re-initialisation
+    hits."""
+    steps: int = 12
+    every: int = 1
+    reinit_step: int = 5
+    SMOKE = dict(steps=8, reinit_step=3)
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
+    steps, every, reinit_step = cfg.steps, cfg.every, cfg.reinit_step
     out = {"steps": steps, "reinit_step": reinit_step, "variants": {}}
     unsolved = None  # the exercise's stub record, once seen (one notice, not one per variant)
     for bug in VARIANTS:
@@ -276,9 +287,10 @@ def summary_rows(out: dict) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = run(ctx.rank, ctx.world_size, ctx.device)
+        out = run(ctx, cfg)
         ctx.report(divergence=out)
         if ctx.rank == 0:
             table(summary_rows(out), title=f"{ctx.world_size} replicas, {out['steps']} steps, "

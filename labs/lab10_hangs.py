@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from helpers import pick
-from helpers.dist import distributed, error_line
+from helpers import runs
+from helpers.dist import distributed, error_line, new_group
 from helpers.flight_recorder import flight_recorder_size, flight_records
 from helpers.launch import LaunchError, LaunchResult, launch
 from helpers.show import table
@@ -166,26 +166,25 @@ def run_case(rank: int, fn, group) -> dict:
             "flight": flight_records(group)}
 
 
-def make_group(level: str):
+def make_group(name: str, level: str):
     """A fresh gloo group of every rank that gives up after CASE_TIMEOUT_S. DETAIL wraps the group
     in a checker (at creation: the debug level is read then), whose own barrier uses the group's
     timeout. Gloo and CPU tensors even on a GPU machine: on nccl a timed-out collective makes the
     watchdog tear the whole process down (TORCH_NCCL_ASYNC_ERROR_HANDLING), so no job survives it."""
-    timeout = datetime.timedelta(seconds=CASE_TIMEOUT_S)
     if level == "DETAIL":
         dist.set_debug_level(dist.DebugLevel.DETAIL)
         try:
-            return dist.new_group(timeout=timeout, backend="gloo")
+            return new_group(name=name, backend="gloo", timeout_s=CASE_TIMEOUT_S)
         finally:
             dist.set_debug_level(dist.DebugLevel.OFF)
-    group = dist.new_group(backend="gloo")  # connects with the default timeout (a busy machine)
-    _set_pg_timeout(timeout, group)  # then short, for the planted hang
+    group = new_group(name=name, backend="gloo")  # connects within DIST_TIMEOUT (a busy machine)
+    _set_pg_timeout(datetime.timedelta(seconds=CASE_TIMEOUT_S), group)  # then short, for the hang
     return group
 
 
 def hang_clinic(rank: int) -> dict:
     """Every case at once, each in a thread on its own group; returns this rank's record per case."""
-    groups = {name: make_group(level) for name, (_, level) in CASES.items()}  # same order everywhere
+    groups = {name: make_group(name, level) for name, (_, level) in CASES.items()}  # same order everywhere
     dist.barrier()
     with ThreadPoolExecutor(len(CASES)) as pool:
         futures = {name: pool.submit(run_case, rank, CASES[name][0], groups[name]) for name in CASES}
@@ -196,10 +195,10 @@ def hang_clinic(rank: int) -> dict:
 
 def detail_overhead(calls: int) -> dict:
     """Seconds per small all-reduce on a plain group and on a DETAIL group (median of 3 rounds)."""
-    plain = dist.new_group(backend="gloo")
+    plain = new_group(name="plain", backend="gloo")
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     try:
-        checked = dist.new_group(backend="gloo")
+        checked = new_group(name="DETAIL", backend="gloo")
     finally:
         dist.set_debug_level(dist.DebugLevel.OFF)
     x = torch.ones(16)
@@ -315,7 +314,7 @@ def launch_hung_job(nproc: int = 2, hang_s: float = 4.0, timeout: float = 180.0,
     job = HungJob(None, None)
     try:
         with ThreadPoolExecutor(1) as pool:
-            future = pool.submit(launch, __file__, "--end-with-hang", hang_s, nproc=nproc,
+            future = pool.submit(launch, __file__, "--end-with-hang", "--hang-s", hang_s, nproc=nproc,
                                  timeout=timeout, stream=False, env={**(env or {}), MARKS_ENV: marks})
             while not future.done() and len(list(Path(marks).glob("rank*.pid"))) < nproc:
                 time.sleep(0.05)
@@ -353,12 +352,23 @@ def clinic_rows(records: dict[int, dict]) -> list[dict]:
     return rows
 
 
-def main(argv: list[str]) -> None:
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """Small all-reduces timed per group to price DETAIL; with `end_with_hang` the job then
+    plants a real hang on the default group, whose timeout is `hang_s`."""
+    detail_calls: int = 200
+    end_with_hang: bool = False
+    hang_s: float = 8.0
+    SMOKE = dict(detail_calls=50, hang_s=4.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints the stacks
     with distributed() as ctx:
         clinic = hang_clinic(ctx.rank)
-        overhead = detail_overhead(pick(200, 50))
+        overhead = detail_overhead(cfg.detail_calls)
         ctx.report(clinic=clinic, detail_overhead=overhead, torch_version=torch.__version__,
                    fr_buffer=flight_recorder_size())
         records = [None] * ctx.world_size
@@ -369,9 +379,9 @@ def main(argv: list[str]) -> None:
             table(flight_table(flight), title="flight recorder, 'one rank calls it': last collectives")
             print(f"DETAIL: {overhead['DETAIL'] * 1e6:.0f} us per small all-reduce vs "
                   f"{overhead['plain'] * 1e6:.0f} us plain ({overhead['DETAIL'] / overhead['plain']:.1f}x)")
-        if argv[:1] == ["--end-with-hang"]:
-            finish_training(ctx.rank, float(argv[1]), ctx.device)
+        if cfg.end_with_hang:
+            finish_training(ctx.rank, cfg.hang_s, ctx.device)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -14,6 +14,15 @@ _context_parallel/_attention.py). On the CPU, SDPA calls `_scaled_dot_product_fl
 which has no such route, and the call fails; this lab runs it, records the error, and runs it for
 real when every rank has a GPU (nccl).
 
+The same file has a second, module-wrapper API, the one torchtitan uses now
+(torchtitan/distributed/context_parallel.py): `_ContextParallel(seq_dim, attention_type)`, a
+ParallelStyle that `parallelize_module` applies to each attention module (SDPA: its inputs
+become sequence-sharded DTensors, with `_enable_context_parallel_dispatcher()`; FlexAttention:
+K and V are all-gathered, `flex_cp_allgather`), and `_context_parallel_shard(mesh, buffers,
+seq_dims, load_balancer)` to shard the inputs, labels and positions, with a load balancer
+(`_HeadTailLoadBalancer`, `_PerDocumentHeadTailLoadBalancer`, `_PTRRLoadBalancer` in
+_context_parallel/_load_balancer.py). `api_summary` lists what this torch has.
+
 The ring itself is plain torch code over a process group and an attention op that returns
 (out, log-sum-exp). Given the CPU kernel, it runs here: `torch_ring` calls it (private functions:
 they may change between versions) on the same inputs as ours, forward and backward, in both
@@ -32,9 +41,10 @@ import torch.nn.functional as F
 
 import labs.lab11_ring_attention as ring
 from helpers import pick
-from helpers.dist import DistContext, distributed
+from helpers.dist import DistContext, device_mesh, distributed
 from helpers.notice import attempt
 from helpers.show import table
+from labs.lab11_results import Shown
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -58,18 +68,17 @@ def try_context_parallel(device: torch.device, sizes: dict, group=None) -> dict:
     """F.scaled_dot_product_attention (causal) inside torch's context_parallel on this device,
     forward and backward, against one process's SDPA. On the CPU it fails: the error, as raised,
     is the result ("ran": False)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
     n = dist.get_world_size(group)
-    b, h, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
-    q, k, v = ring.sample_qkv(b, h, s, d, dtype=torch.float32, device=device)
-    dout = ring.sample_qkv(b, h, s, d, seed=1, dtype=torch.float32, device=device)[0]
+    b, a, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
+    q, k, v = ring.sample_qkv(b, a, s, d, dtype=torch.float32, device=device)
+    dout = ring.sample_qkv(b, a, s, d, seed=1, dtype=torch.float32, device=device)[0]
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*full, is_causal=True)
     expected.backward(dout)
-    mesh = init_device_mesh(device.type, (n,))
+    mesh = device_mesh(device.type, cp=n)
     buffers = [q.clone(), k.clone(), v.clone(), dout.clone()]     # sharded in place inside
     try:
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
@@ -154,9 +163,9 @@ def compare_rings(device: torch.device, sizes: dict, group=None) -> dict:
     from labs.lab11_zigzag import zigzag_ring_attention
 
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    b, h, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
-    q, k, v = ring.sample_qkv(b, h, s, d, device=device)
-    dout = ring.sample_qkv(b, h, s, d, seed=1, device=device)[0]
+    b, a, s, d = sizes["batch"], sizes["heads"], sizes["seq_local"] * n, sizes["head_dim"]
+    q, k, v = ring.sample_qkv(b, a, s, d, device=device)
+    dout = ring.sample_qkv(b, a, s, d, seed=1, device=device)[0]
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*full, is_causal=True)
     expected.backward(dout)
@@ -215,6 +224,62 @@ def run(ctx: DistContext, **sizes) -> dict:
     else:
         out["torch_ring"] = compare_rings(ctx.device, s)
     return out
+
+
+# ============================================================================ what the notebook shows
+WRAPPER_API = ("_ContextParallel", "_context_parallel_shard", "_enable_context_parallel_dispatcher",
+               "_HeadTailLoadBalancer", "_PerDocumentHeadTailLoadBalancer", "_PTRRLoadBalancer")
+
+
+def api_summary() -> Shown:
+    """What this torch's context-parallel module offers, read from it: the rotate methods and the
+    defaults of the context-manager API, and which pieces of the module-wrapper API exist."""
+    cp = _private()
+    if cp is None:
+        return Shown(f"torch {torch.__version__} has no _templated_ring_attention: the ring comparison is skipped", [], [])
+    try:
+        from torch.distributed.tensor.experimental import _context_parallel as package
+    except ImportError:
+        package = cp
+    options = cp._cp_options
+    found = [name for name in WRAPPER_API if hasattr(package, name)]
+    return Shown(f"torch {torch.__version__}'s context parallelism", [], [
+        f"context_parallel(): rotate methods {[m.name for m in cp._RotateMethod]}, default "
+        f"{options.rotate_method.name}; load balancing (head-tail) on by default: {options.enable_load_balance}",
+        f"module-wrapper API (torchtitan's): {', '.join(found) if found else 'not in this torch'}"])
+
+
+def context_parallel_line(report: dict) -> str:
+    """Rank 0's `try_context_parallel` result, in words."""
+    c = report["context_parallel"]
+    if c["ran"]:
+        diffs = {k: f"{v:.1e}" for k, v in c["max_abs_diff"].items()}
+        return f"context_parallel ran on {c['device']}: local q {c['local_shape']}; largest difference from SDPA: {diffs}"
+    return (f"context_parallel on {c['device']} fails" + (", as the dispatch table says for the CPU"
+                                                          if c["device"] == "cpu" else "") + f":\n  {c['error']}")
+
+
+def rings_summary(report: dict) -> Shown:
+    """Rank 0's comparison of torch's ring and ours: differences, bytes and collectives, with the
+    verdicts (the homework's row is left out while it is a stub)."""
+    tr = report["torch_ring"]
+    if "skipped" in tr:
+        return Shown(tr["skipped"], [], [])
+    done = [row for row in tr["rows"] if "unsolved" not in row]
+    rows = [{"implementation": r["implementation"], "layout": r["layout"],
+             **{k: r[k] for k in ("output", "dq", "dk", "dv")},
+             "sent fwd B": r["sent_bytes"]["forward"], "sent bwd B": r["sent_bytes"]["backward"],
+             "collectives (fwd; bwd)": r["collectives"] if isinstance(r["collectives"], str) else
+             f"{', '.join(r['collectives']['forward'])}; {', '.join(r['collectives']['backward'])}"} for r in done]
+    worst = max(r[k] for r in done for k in ("output", "dq", "dk", "dv"))
+    lines = [f"largest difference from SDPA: {worst:.1e}" + (" (rounding)" if worst < 1e-9 else " (MORE than rounding)")]
+    for layout in ring.LAYOUTS:
+        by = {r["implementation"]: r["sent_bytes"] for r in done if r["layout"] == layout}
+        if "ours" in by:
+            lines.append(f"{layout}: ours sent {by['ours']}, torch's alltoall ring {by['torch, alltoall']}: "
+                         + ("the same bytes" if by["ours"] == by["torch, alltoall"] else "different bytes"))
+    return Shown(f"torch's ring and ours vs SDPA on one process, causal, float64, rank 0 of {report['world_size']}",
+                 rows, lines)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ Built on the layer of labs/lab11_experts.py (MoE, ExpertParallelMoE, routing_pla
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,14 +29,14 @@ import torch.nn.functional as F
 
 from helpers import pick
 from helpers.comm_count import count_collectives
-from helpers.dist import DistContext, distributed, synchronize
-from helpers.notice import attempt
-from helpers.show import table
+from helpers.dist import DistContext, device_mesh, distributed, synchronize
+from helpers.notice import attempt, solved
 from helpers.tensors import divide, seeded
+from labs.lab11_expert_check import default_sizes, rows_seen
 from labs.lab11_experts import (
-    Expert, ExpertParallelMoE, default_sizes, expert_capacity, imbalance, make_moe, routing_plan, rows_seen,
-    sample_tokens, skew_router,
+    Expert, ExpertParallelMoE, expert_capacity, imbalance, make_moe, routing_plan, sample_tokens, skew_router,
 )
+from labs.lab11_results import Shown, median_and_noise
 
 
 # ============================================================================ imbalance
@@ -104,8 +105,8 @@ def aux_loss_training(sizes: dict, num_experts: int = 8, alphas=(0.0, 0.01), ste
 
 def skewed_timing(device: torch.device, sizes: dict, skew: float, repeats: int, group=None) -> dict:
     """Expert-parallel forward + backward with a router of `skew` (float32): rows this rank
-    received and the seconds its experts took (best of `repeats`); the most loaded rank sets the
-    pace, since every rank waits for it in the combine."""
+    received, and per repeat the seconds its experts took in the forward and the whole call; the
+    most loaded rank sets the pace, since every rank waits for it in the combine."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     s = sizes
     dense = make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * n, s["top_k"], device=device)
@@ -123,7 +124,7 @@ def skewed_timing(device: torch.device, sizes: dict, skew: float, repeats: int, 
         busy.append(busy.pop() + time.perf_counter())
     handles = [h for e in layer.experts
                for h in (e.register_forward_pre_hook(start), e.register_forward_hook(stop))]
-    best = None
+    out = {"rows": 0, "expert_forward_s": [], "wall_s": []}
     try:
         for _ in range(repeats):
             busy[:] = [0.0]
@@ -132,23 +133,21 @@ def skewed_timing(device: torch.device, sizes: dict, skew: float, repeats: int, 
             with rows_seen(layer) as rows:
                 layer(x).sum().backward()
             synchronize(device)
-            wall = time.perf_counter() - begin
-            if best is None or wall < best["wall_s"]:
-                best = {"rows": sum(rows), "expert_forward_s": sum(busy), "wall_s": wall}
+            out["wall_s"].append(time.perf_counter() - begin)
+            out["expert_forward_s"].append(sum(busy))
+            out["rows"] = sum(rows)
     finally:
         for h in handles:
             h.remove()
-    return best
+    return out
 
 
 # ============================================================================ expert x data parallel
 def ep_dp_groups(device: torch.device, ep_size: int):
     """(ep group, dp group) of a (dp, ep) mesh over every rank: rank = dp_rank * ep + ep_rank; the ep
     group shares one set of experts between it, the dp group holds the same experts."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     dp_size = divide(dist.get_world_size(), ep_size, "the ranks over the expert-parallel groups")
-    mesh = init_device_mesh(device.type, (dp_size, ep_size), mesh_dim_names=("dp", "ep"))
+    mesh = device_mesh(device.type, dp=dp_size, ep=ep_size)
     return mesh.get_group("ep"), mesh.get_group("dp")
 
 
@@ -219,64 +218,188 @@ def run(ctx: DistContext, **sizes) -> dict:
     return {"sizes": s, "world_size": n,
             "skew": skew_table(s, n), "capacity": capacity_table(s, n),
             "training": aux_loss_training(s) if ctx.rank == 0 else None,
-            "timing": {str(skew): attempt(skewed_timing, ctx.device, timing_sizes, skew, pick(3, 1))
+            "timing": {str(skew): attempt(skewed_timing, ctx.device, timing_sizes, skew, pick(5, 3))
                        for skew in (0.0, 4.0)},
             "ep_dp": {f"dp{n // ep} x ep{ep}": attempt(ep_dp_check, ctx.device, s, ep) for ep in layouts}}
 
 
-def training_summary(training: dict) -> list[dict]:
-    """One row per aux-loss coefficient: the load and the losses at the first and last step."""
+# ============================================================================ what the notebook shows
+def aux_loss_table(tokens: int = 64, hidden: int = 16, experts: int = 4) -> Shown:
+    """Switch's loss on `tokens` tokens for routers from uniform to one that sends every token to
+    expert 0 (top-1 and top-2), measured in this process, and which way a descent step on it moves
+    the tilted router's logits."""
+    from labs.lab11_experts import route
+
+    x = sample_tokens(tokens, hidden, seed=1, shift=2.0, dtype=torch.float64)
+    uniform = make_moe(hidden, 32, experts, 2, dtype=torch.float64)
+    with torch.no_grad():
+        uniform.router.weight.zero_()
+    routers = {"weights zero: uniform probabilities": uniform,
+               "random": make_moe(hidden, 32, experts, 2, dtype=torch.float64),
+               "tilted towards expert 0": skew_router(make_moe(hidden, 32, experts, 2, dtype=torch.float64), 4.0)}
+    for k in (1, 2):   # tokens far along the shared direction, expert 0 tilted hard along it: p_0 = 1
+        routers[f"everything to expert 0, top-{k}"] = skew_router(make_moe(hidden, 32, experts, k, dtype=torch.float64), 1e4)
+    far = sample_tokens(tokens, hidden, seed=1, shift=5.0, dtype=torch.float64)
     rows = []
+    for name, m in routers.items():
+        r = m.route(far if name.startswith("everything") else x)
+        rows.append({"router": name, "top-k": m.top_k, "tokens per expert": r.tokens_per_expert.tolist(),
+                     "f": [round(f, 3) for f in (r.tokens_per_expert / r.tokens_per_expert.sum()).tolist()],
+                     "P": [round(p, 3) for p in r.probs.mean(0).tolist()], "aux loss": r.aux_loss.item(),
+                     "E/k": experts / m.top_k})
+    tilted = routers["tilted towards expert 0"]
+    logits = tilted.router(x).detach().requires_grad_(True)
+    r = route(lambda _: logits, x, tilted.top_k)                      # the same routing, from these logits
+    (grad,) = torch.autograd.grad(r.aux_loss, logits)
+    push = (-grad.sum(0)).tolist()       # a descent step's move of each expert's logit, summed over tokens
+    return Shown(f"Switch's load-balancing loss on {tokens} tokens, {experts} experts (one process)", rows, [
+        f"uniform probabilities give {rows[0]['aux loss']:.4f} (1 by the formula, whatever the top-k picks: f = {rows[0]['f']})",
+        ceiling_verdict(rows[-2]["aux loss"], experts, 1) + "; " + ceiling_verdict(rows[-1]["aux loss"], experts, 2),
+        f"tilted router: a descent step on the aux loss moves the experts' logits by {[f'{v:+.3f}' for v in push]} "
+        "(per unit of learning rate, summed over the tokens): " + push_verdict(push, int(r.tokens_per_expert.argmax()))])
+
+
+def ceiling_verdict(aux: float, experts: int, top_k: int, rtol: float = 0.02) -> str:
+    """The loss of a router that sends every token's first choice to one expert against E/k."""
+    bound = experts / top_k
+    return (f"one expert taking every token, top-{top_k}: {aux:.3f}, "
+            + (f"E/k = {bound:g}, the most it can be" if abs(aux - bound) <= rtol * bound else f"NOT E/k = {bound:g}"))
+
+
+def push_verdict(push: list[float], crowded: int) -> str:
+    others = [v for e, v in enumerate(push) if e != crowded]
+    return (f"down for the crowded expert {crowded}, up for the others" if push[crowded] < 0 < min(others)
+            else "NOT down for the crowded expert and up for the others on this run")
+
+
+def capacity_summary(report: dict) -> Shown:
+    cap, s, n = report["capacity"], report["sizes"], report["world_size"]
+    lines = []
+    for skew in sorted({r["skew"] for r in cap}):
+        none_from = next((r["capacity factor"] for r in cap if r["skew"] == skew and r["dropped"] == 0), None)
+        lines.append(f"router skew {skew}: " + (f"nothing dropped from capacity factor {none_from} on"
+                                                if none_from is not None else "assignments dropped at every factor of the table"))
+    pairs = [(a, b) for a in cap if a["skew"] > 0 for b in cap if b["skew"] == 0 and b["capacity factor"] == a["capacity factor"]]
+    lines.append("the tilted router drops at least as many as the balanced one at every factor"
+                 if all(a["dropped"] >= b["dropped"] for a, b in pairs)
+                 else "not on this run: at some factor the tilted router drops fewer than the balanced one")
+    return Shown(f"dropped (token, expert) assignments, {s['tokens']} tokens, top-{s['top_k']} of "
+                 f"{s['experts_per_rank'] * n} experts (one process)", cap, lines)
+
+
+def skew_summary(report: dict) -> Shown:
+    rows, s = report["skew"], report["sizes"]
+    e = s["experts_per_rank"] * report["world_size"]
+    flat, steep = rows[0], rows[-1]
+    return Shown(f"a router tilted towards expert 0: {s['tokens']} tokens per rank, top-{s['top_k']} of {e} experts on "
+                 f"{report['world_size']} ranks", [{k: v for k, v in row.items() if k != "splits"} for row in rows],
+                 [f"from skew {flat['skew']} to {steep['skew']}: the busiest expert went from {flat['expert max/mean']:.2f}x "
+                  f"to {steep['expert max/mean']:.2f}x the mean load (at most E/k = {e / s['top_k']:.0f}x), the busiest rank "
+                  f"from {flat['rank max/mean']:.2f}x to {steep['rank max/mean']:.2f}x the mean rows"])
+
+
+def load_verdict(rows: list[int], seconds: list[list[float]]) -> str:
+    """Per rank its rows and its repeated seconds in the experts: did the time follow the rows, and
+    is the spread of times more than the repeats' own noise?"""
+    medians, noises = zip(*(median_and_noise(t) for t in seconds))
+    spread, noise = max(medians) - min(medians), max(noises)
+    rows_ratio, time_ratio = imbalance(rows), imbalance(medians)
+    if spread <= 2 * noise:
+        return (f"rows {rows_ratio:.2f}x the mean, time {time_ratio:.2f}x: the spread of times is within the repeats' "
+                f"noise ({1e3 * noise:.2g} ms): noise")
+    if rows_ratio <= 1.1:
+        return (f"rows even, yet the time spread ({time_ratio:.2f}x) exceeds the noise: the machine (other processes on "
+                "its cores), not the routing")
+    busiest, slowest = max(range(len(rows)), key=rows.__getitem__), max(range(len(medians)), key=medians.__getitem__)
+    return (f"rows {rows_ratio:.2f}x, time {time_ratio:.2f}x the mean, beyond the noise: "
+            + ("the time followed the rows (the busiest rank was the slowest)" if busiest == slowest
+               else f"NOT the rows: the busiest rank ({busiest}) was not the slowest ({slowest})"))
+
+
+def timing_summary(reports: list[dict]) -> Shown:
+    """Every rank's timing (raises Unsolved while the homework is a stub)."""
+    timing = [{skew: solved(t) for skew, t in rep["timing"].items()} for rep in reports]
+    rows = [{"router skew": float(skew), "rank": r, "rows its experts ran on": per[skew]["rows"],
+             "ms in its experts (forward, median)": 1e3 * median_and_noise(per[skew]["expert_forward_s"])[0],
+             "ms, whole call (median)": 1e3 * median_and_noise(per[skew]["wall_s"])[0]}
+            for skew in timing[0] for r, per in enumerate(timing)]
+    lines = [f"router skew {skew}: " + load_verdict([per[skew]["rows"] for per in timing],
+                                                     [per[skew]["expert_forward_s"] for per in timing]) for skew in timing[0]]
+    return Shown(f"expert-parallel forward + backward, float32, {len(reports)} ranks", rows, lines)
+
+
+@dataclass(frozen=True)
+class TrainingResult(Shown):
+    curves: dict[str, dict[str, list[float]]]      # run label -> {"imbalance", "task_loss"} per step
+    bound: float                                   # E/k
+
+
+def training_result(training: dict) -> TrainingResult:
+    """One row per aux-loss coefficient (the load and the losses at the first and last step), the
+    verdicts, and the curves to draw."""
+    rows, curves = [], {}
     for alpha, r in training["runs"].items():
         rows.append({"aux coefficient": float(alpha),
                      "max/mean tokens per expert, first step": r["imbalance"][0], "last step": r["imbalance"][-1],
                      "task loss first": r["task_loss"][0], "task loss last": r["task_loss"][-1],
                      "aux loss last": r["aux_loss"][-1]})
-    return rows
+        label = "task loss only" if float(alpha) == 0 else f"task + {alpha} x aux loss"
+        curves[label] = {"imbalance": r["imbalance"], "task_loss": r["task_loss"]}
+    plain, aux = rows[0], rows[-1]
+    bound = training["num_experts"] / training["top_k"]
+    learnt = max(aux["task loss last"], plain["task loss last"]) < 0.5 * aux["task loss first"]
+    return TrainingResult(
+        f"{training['steps']} Adam steps (lr {training['lr']}), {training['num_experts']} experts, top-{training['top_k']}",
+        rows, [f"last step: the busiest expert takes {aux['last step']:.2f}x the mean with the aux loss, "
+               f"{plain['last step']:.2f}x without: " + ("the aux loss evened the load" if aux["last step"] < plain["last step"]
+                                                          else "no evening on this run"),
+               f"the aux loss without it ended at {plain['aux loss last']:.2f} (at most E/k = {bound:g})",
+               f"the task loss fell from {aux['task loss first']:.3g} to {aux['task loss last']:.3g} with it and to "
+               f"{plain['task loss last']:.3g} without" + (": the task was learnt in both runs" if learnt else
+                                                           ": NOT learnt in both runs on this run")
+               + f"; the last task loss with the aux loss is {aux['task loss last'] / plain['task loss last']:.2f}x the one without"],
+        curves, bound)
 
 
-def print_results(ctx: DistContext, result: dict) -> None:
-    """run()'s tables on rank 0 (every rank must call it: it gathers the ranks' timings); raises if
-    a (dp, ep) layout differs from one process."""
-    n = ctx.world_size
-    if ctx.rank == 0:
-        table([{k: v for k, v in row.items() if k != "splits"} for row in result["skew"]],
-              title="a router tilted towards expert 0: load per expert and per rank")
-        table(result["capacity"], title="capacity factor and dropped (token, expert) assignments")
-        rows = training_summary(result["training"])
-        table(rows, title=f"{result['training']['steps']} Adam steps of a skewed MoE, with and without "
-                          "the aux loss")
-        plain, balanced = rows[0]["last step"], rows[-1]["last step"]
-        print(f"with the aux loss the last step's max/mean load is {balanced:.2f} against {plain:.2f} "
-              f"without: {'the aux loss evened the load' if balanced < plain else 'no evening on this run'}",
-              flush=True)
-    if any("unsolved" in t for t in result["timing"].values()):
-        return
-    gathered = [None] * n
-    dist.all_gather_object(gathered, result["timing"])
-    if ctx.rank == 0:
-        table([{"rank": r, "skew": skew, **t} for r, g in enumerate(gathered) for skew, t in g.items()],
-              title="forward + backward, float32: rows received and seconds in the experts per rank")
-        for skew in result["timing"]:
-            runs = [g[skew] for g in gathered]
-            print(f"router skew {skew}: max/mean rows per rank {imbalance([t['rows'] for t in runs]):.2f}, "
-                  f"max/mean seconds in the experts {imbalance([t['expert_forward_s'] for t in runs]):.2f} "
-                  "(the most loaded rank sets the pace of the combine)", flush=True)
-        table([{"layout": name, **{k: c[k] for k in ("ep_group", "dp_group", "worst")},
-                "all-reduces": ", ".join(f"{g['parameters']} over {g['all-reduced over ranks']}"
-                                         for g in c["groups"])}
-               for name, c in result["ep_dp"].items()],
-              title="expert x data parallel, one SGD step against one process (rank 0)")
-    worst = max(c["worst"] for c in result["ep_dp"].values())
-    if not worst < 1e-9:
-        raise RuntimeError(f"rank {ctx.rank}: a (dp, ep) layout differs from one process by {worst:.2e}")
+def mesh_table(world: int = 8, ep: int = 4, experts: int = 8) -> Shown:
+    """A (dp, ep) mesh on paper: each rank's experts and groups (rank = dp_rank * ep + ep_rank)."""
+    rows = [{"rank": r, "dp rank": r // ep, "ep rank": r % ep,
+             "experts it holds": list(range((r % ep) * experts // ep, (r % ep + 1) * experts // ep)),
+             "ep group (exchanges tokens)": [r // ep * ep + e for e in range(ep)],
+             "dp group (same experts: expert grads)": [d * ep + r % ep for d in range(world // ep)],
+             "router grads over": f"all {world}"} for r in range(world)]
+    return Shown(f"a (dp={world // ep}, ep={ep}) mesh of {world} ranks, {experts} experts", rows, [])
+
+
+def ep_dp_summary(reports: list[dict]) -> Shown:
+    """Every rank's (dp, ep) layouts against one process (raises Unsolved while the homework is a stub)."""
+    layouts = [{name: solved(c) for name, c in rep["ep_dp"].items()} for rep in reports]
+    rows = [{"rank": r, "layout": name, "ep group": c["ep_group"], "dp group": c["dp_group"],
+             "all-reduces": ", ".join(f"{g['parameters']} over {g['all-reduced over ranks']} ({g['bytes']} B)" for g in c["groups"]),
+             "max |param - one process| after the step": c["worst"]}
+            for r, per in enumerate(layouts) for name, c in per.items()]
+    worst = max(c["worst"] for per in layouts for c in per.values())
+    return Shown(f"expert x data parallelism on {len(reports)} ranks: one SGD step against one process, float64", rows,
+                 [f"largest difference {worst:.1e}: " + ("every layout trains as one process does (rounding)" if worst < 1e-9
+                                                         else "MORE than rounding: a layout differs from one process")])
 
 
 def main() -> None:
     with distributed() as ctx:
         result = run(ctx)
         ctx.report(**result)
-        print_results(ctx, result)
+        reports = [None] * ctx.world_size
+        dist.all_gather_object(reports, result)
+        if ctx.rank == 0:
+            for shown in (skew_summary(result), capacity_summary(result), training_result(result["training"])):
+                shown.show()
+            if not any("unsolved" in t for t in result["timing"].values()):
+                timing_summary(reports).show()
+                ep_dp_summary(reports).show(floatfmt=".1e")
+        if not any("unsolved" in c for c in result["ep_dp"].values()):
+            worst = max(c["worst"] for c in result["ep_dp"].values())
+            if not worst < 1e-9:
+                raise RuntimeError(f"rank {ctx.rank}: a (dp, ep) layout differs from one process by {worst:.2e}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Lab 11 (experts): a mixture-of-experts layer in one process, then its experts spread over ranks.
 
-Run:  ./run.sh 11      (this file alone: ./run.sh labs/lab11_experts.py; 2-4 ranks)
+A library of lab 11 (no main): ./run.sh 11 runs the labs that use it, and
+./run.sh labs/lab11_expert_check.py checks the layer against the dense one.
 
 - `MoE(hidden, ffn, num_experts, top_k)`: a router (nn.Linear, no bias) scores every token, each
   token goes to its top-k experts (small MLPs), and their outputs are added weighted by the gates
@@ -10,42 +11,36 @@ Run:  ./run.sh 11      (this file alone: ./run.sh labs/lab11_experts.py; 2-4 ran
   Lepikhin et al. 2020, arXiv:2006.16668); for k = 1 the router's probability itself (Switch
   Transformer, Fedus, Zoph and Shazeer 2021, arXiv:2101.03961: renormalised it would always be 1
   and the router would learn nothing from the task). The load-balancing loss E * sum_i f_i P_i
-  (Switch, eq. 4) is kept in `aux_loss` after each forward; an optional capacity factor drops the
-  assignments beyond ceil(factor * T k / E) per expert, first choices before second choices
-  (GShard), and counts them (default: no capacity, nothing dropped).
+  (Switch, eq. 4; 1 when the router's probabilities are uniform, at most E/k) is kept in
+  `aux_loss` after each forward; an optional capacity factor drops the assignments beyond
+  ceil(factor * T k / E) per expert, first choices before second choices (GShard), and counts them
+  (default: no capacity, nothing dropped: a dropless MoE).
 - `ExpertParallelMoE.from_dense(moe, group)`: rank r of the group holds experts [r E/N, (r+1) E/N)
   and a copy of the router. Its `forward` is the homework: every rank routes its own tokens, the
   counts go first (all_to_all_single), then each token row travels to the rank that owns its
   expert (all_to_all_single with per-rank split sizes), the experts run, and a second all-to-all
   brings the results back to be combined with the gates in token order (GShard's dispatch and
   combine). `all_to_all` (given) is that collective as an autograd function.
-- What the notebook shows from here: `routing_plan` (which token goes to which expert on which
-  rank, the split sizes per rank pair: the explorer), `all_to_all_bytes` (bytes per rank from the
-  routing, beside the ones counted by `record_all_to_alls`) and `ep_check` (the expert-parallel
-  layer against the dense one). The imbalance a skewed router causes, what the auxiliary loss does
-  to it in training, and expert x data parallelism are in labs/lab11_expert_balance.py.
+- `routing_plan` (which token goes to which expert on which rank, the split sizes per rank pair:
+  the explorer) and `all_to_all_bytes` (bytes per rank from the routing). The layer against the
+  dense one, with the bytes counted at the process group, is labs/lab11_expert_check.py; the
+  imbalance a skewed router causes, what the auxiliary loss does to it in training, and expert x
+  data parallelism are labs/lab11_expert_balance.py.
 
 Homework: `ExpertParallelMoE.forward` below. Check it with `./run.sh check 11`
 (the public tests: tests/public/test_lab11_experts.py).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
-from helpers.comm_count import count_collectives, patched
-from helpers.dist import DistContext, distributed
-from helpers.notice import attempt
-from helpers.show import table
 from helpers.tensors import divide, seeded
 
 COUNT_DTYPE = torch.int64  # the token counts exchanged before the rows
@@ -96,8 +91,10 @@ def route(router: nn.Module, x: torch.Tensor, top_k: int, capacity_factor: float
 
     aux_loss = E * sum_i f_i P_i (Switch Transformer eq. 4): f_i the fraction of the T k
     assignments that chose expert i (before any drop), P_i the mean router probability of expert i.
-    It is 1 when routing is uniform and E when one expert takes every token; its gradient reaches
-    the router through P (f is a count). The coefficient (Switch: 1e-2) is the training loop's."""
+    It is 1 when the probabilities are uniform, and at most E/k: a token chooses k different
+    experts, so f_i <= 1/k, and one expert with probability 1 on every token gives E (1/k) 1
+    (Switch's k = 1: E). Its gradient reaches the router through P (f is a count). The
+    coefficient (Switch: 1e-2) is the training loop's."""
     probs = router(x).softmax(dim=-1)                                           # (T, E)
     tokens, num_experts = probs.shape
     top_probs, experts = probs.topk(top_k, dim=-1)                              # (T, k) best first
@@ -263,7 +260,9 @@ class ExpertParallelMoE(RoutedLayer):
           the rank that owns that expert: rank r sends rank j exactly the rows of its tokens routed
           to j's experts (`all_to_all_bytes` gives the bytes), nothing for dropped choices;
         - each local expert (`self.experts[j]`, global expert `self.first_expert + j`) runs only on
-          the rows routed to it, from every rank (the tests count them with forward hooks).
+          the rows routed to it, from every rank, in one call per forward (its pieces from every
+          rank together: one large matmul, not N small ones; the tests count rows and calls with
+          forward hooks).
         """
         ### BEGIN SOLUTION
         routing = self.route(x)
@@ -366,186 +365,3 @@ def all_to_all_bytes(splits: list[list[int]], rank: int, row_bytes: int, num_exp
     return {"forward": {"counts": (n - 1) * (num_experts // n) * count_bytes,
                         "dispatch": out_rows * row_bytes, "combine": in_rows * row_bytes},
             "backward": {"combine": out_rows * row_bytes, "dispatch": in_rows * row_bytes}}
-
-
-# ============================================================================ measured
-@dataclass
-class AllToAllCall:
-    dtype: str
-    row_bytes: int                # bytes of one row (dim 0 entry) of the input
-    input_splits: list[int]
-    output_splits: list[int]
-    group_rank: int
-
-    @property
-    def sent_bytes(self) -> int:
-        """Bytes to the other ranks (the rows kept for this rank are a local copy)."""
-        return sum(s for j, s in enumerate(self.input_splits) if j != self.group_rank) * self.row_bytes
-
-
-@contextlib.contextmanager
-def record_all_to_alls() -> Iterator[list[AllToAllCall]]:
-    """Every all_to_all_single issued inside the block, with its split sizes (even splits filled in)."""
-    calls: list[AllToAllCall] = []
-
-    def make(original):
-        def recorded(self, output, input, output_split_sizes, input_split_sizes, *args, **kwargs):
-            n = self.size()
-            rows_in, rows_out = input.shape[0] if input.dim() else 0, output.shape[0] if output.dim() else 0
-            row_bytes = input.nbytes // rows_in if rows_in else input.element_size() * math.prod(input.shape[1:])
-            calls.append(AllToAllCall(str(input.dtype).replace("torch.", ""), row_bytes,
-                                      list(input_split_sizes) or [rows_in // n] * n,
-                                      list(output_split_sizes) or [rows_out // n] * n, self.rank()))
-            return original(self, output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
-        return recorded
-
-    with patched({"all_to_all_single": make}, required=("all_to_all_single",)):
-        yield calls
-
-
-@contextlib.contextmanager
-def rows_seen(layer: nn.Module) -> Iterator[list[int]]:
-    """rows[j]: input rows experts[j] of `layer` ran on inside the block (forward hooks)."""
-    rows = [0] * len(layer.experts)
-
-    def count(j):
-        def hook(_module, inputs, _output):
-            rows[j] += len(inputs[0])
-        return hook
-    handles = [expert.register_forward_hook(count(j)) for j, expert in enumerate(layer.experts)]
-    try:
-        yield rows
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def dense_reference(moe: MoE, xs: list[torch.Tensor], rank: int, douts: list[torch.Tensor]) -> dict:
-    """One process's answer for rank `rank`: moe(xs[rank]), the gradients of sum(out * dout) w.r.t.
-    xs[rank] and the router (this rank's tokens), and every expert's gradient summed over every
-    rank's tokens (what expert parallelism must leave on the expert's owner)."""
-    params = [moe.router.weight, *moe.experts.parameters()]
-    summed = [torch.zeros_like(p) for p in params]
-    for r, (x, dout) in enumerate(zip(xs, douts)):
-        x = x.detach().clone().requires_grad_(True)
-        out = moe(x)
-        grads = torch.autograd.grad((out * dout).sum(), [x, *params], allow_unused=True)
-        for total, g in zip(summed, grads[1:]):
-            if g is not None:
-                total += g
-        if r == rank:
-            mine = {"output": out.detach(), "input_grad": grads[0], "aux_loss": moe.aux_loss.detach(),
-                    "router_grad": grads[1] if grads[1] is not None else torch.zeros_like(params[0])}
-    names = [name for name, _ in moe.experts.named_parameters()]
-    return {**mine, "expert_grads": dict(zip(names, summed[1:]))}
-
-
-def _max_diff(got: torch.Tensor | None, expected: torch.Tensor) -> float:
-    """max |got - expected|; inf when there is nothing (a gradient that never arrived)."""
-    if got is None or got.shape != expected.shape:
-        return float("inf")
-    return (got.detach() - expected).abs().max().item() if got.numel() else 0.0
-
-
-def ep_check(device: torch.device, sizes: dict, group=None, skew: float = 0.0) -> dict:
-    """ExpertParallelMoE against the dense layer on this run's tokens (float64): output, dL/dx,
-    router and expert gradients, the all-to-alls' bytes against `all_to_all_bytes`, and the rows
-    each local expert ran on against the routing."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    s = sizes
-    dense = make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * n, s["top_k"], s["capacity_factor"],
-                     dtype=torch.float64, device=device)
-    skew_router(dense, skew)
-    xs = [sample_tokens(s["tokens"], s["hidden"], seed=100 + r, shift=s["shift"], dtype=torch.float64,
-                        device=device) for r in range(n)]
-    douts = [sample_tokens(s["tokens"], s["hidden"], seed=200 + r, dtype=torch.float64, device=device)
-             for r in range(n)]
-    ref = dense_reference(dense, xs, rank, douts)
-    plan = routing_plan(dense, xs, n)
-    layer = ExpertParallelMoE.from_dense(dense, group)
-    x = xs[rank].clone().requires_grad_(True)
-    with record_all_to_alls() as forward, rows_seen(layer) as rows, count_collectives() as log:
-        out = layer(x)
-    with record_all_to_alls() as backward:
-        (out * douts[rank]).sum().backward()
-    own = range(layer.first_expert, layer.first_expert + layer.num_local)
-    diffs = {"output": _max_diff(out, ref["output"]), "input_grad": _max_diff(x.grad, ref["input_grad"]),
-             "router_grad": _max_diff(layer.router.weight.grad, ref["router_grad"]), "experts": 0.0}
-    for name, p in layer.experts.named_parameters():
-        j, leaf = name.split(".", 1)
-        expected = ref["expert_grads"][f"{layer.first_expert + int(j)}.{leaf}"]
-        diffs["experts"] = max(diffs["experts"], _max_diff(p.grad, expected))
-    formula = all_to_all_bytes(plan["splits"], rank, s["hidden"] * 8, layer.num_experts)
-    counted = {"forward": dict(zip(("counts", "dispatch", "combine"), (c.sent_bytes for c in forward))),
-               "backward": dict(zip(("combine", "dispatch"), (c.sent_bytes for c in backward)))}
-    return {"diffs": diffs, "worst": max(diffs.values()), "plan_splits": plan["splits"],
-            "bytes": [{"phase": phase, "all-to-all": what, "counted": counted[phase].get(what),
-                       "formula": formula[phase][what]} for phase in formula for what in formula[phase]],
-            "collectives": sorted({c.kind for c in log}),
-            "rows_per_expert": {"experts": list(own), "ran on": rows,
-                                "routed": [plan["tokens_per_expert"][e] for e in own]},
-            "rows_received": sum(forward[1].output_splits) if len(forward) > 1 else None}
-
-
-# ============================================================================ the run
-def default_sizes() -> dict:
-    """The layer and the batch of this run (smoke mode: smaller), read when the run starts; lab 11's
-    expert-balance lab uses them too."""
-    return dict(hidden=pick(64, 16), ffn=pick(128, 32), experts_per_rank=2, top_k=2, tokens=pick(256, 24),
-                capacity_factor=None, shift=2.0)
-
-
-def run(ctx: DistContext, **sizes) -> dict:
-    """Everything the notebook shows of the layer, on this rank: the routing plan of this run's batch
-    (every rank's tokens, routed in one process), then, once the homework is written, the
-    expert-parallel layer against the dense one with a balanced and a skewed router (outputs,
-    gradients, bytes counted against the formula, rows per expert)."""
-    s = {**default_sizes(), **sizes}
-    n = ctx.world_size
-    moe = make_moe(s["hidden"], s["ffn"], s["experts_per_rank"] * n, s["top_k"], s["capacity_factor"])
-    xs = [sample_tokens(s["tokens"], s["hidden"], seed=100 + r, shift=s["shift"]) for r in range(n)]
-    return {"sizes": s, "world_size": n,
-            "plan": routing_plan(moe, xs, n),
-            "check": attempt(ep_check, ctx.device, s),
-            "check_skewed": attempt(ep_check, ctx.device, s, skew=4.0)}
-
-
-def print_results(ctx: DistContext, result: dict) -> None:
-    """run()'s tables on rank 0 (every rank must call it: it gathers the ranks' numbers); raises
-    if the expert-parallel layer differs from the dense one."""
-    s, n = result["sizes"], ctx.world_size
-    if ctx.rank == 0:
-        plan = result["plan"]
-        table([{"from rank": i, **{f"to rank {j}": rows for j, rows in enumerate(row)}}
-               for i, row in enumerate(plan["splits"])],
-              title=f"rows each rank sends to each rank ({s['tokens']} tokens per rank, top-{s['top_k']}, "
-                    f"{plan['experts_per_rank'] * n} experts on {n} ranks)")
-    if "unsolved" in result["check"]:
-        return
-    checks = {"balanced": result["check"], "skewed": result["check_skewed"]}
-    gathered = [None] * n
-    dist.all_gather_object(gathered, {name: {"worst": c["worst"], "bytes": c["bytes"],
-                                             "rows": c["rows_received"]} for name, c in checks.items()})
-    if ctx.rank == 0:
-        table([{"rank": r, "routing": name, "max |EP - dense| (out, grads)": g[name]["worst"],
-                "rows received": g[name]["rows"]} for r, g in enumerate(gathered) for name in checks],
-              title="ExpertParallelMoE vs the dense MoE (float64)")
-        table([{"rank": r, **b} for r, g in enumerate(gathered) for b in g["skewed"]["bytes"]],
-              title="bytes each rank sends to the others, skewed router: counted vs all_to_all_bytes")
-        same = all(b["counted"] == b["formula"] for g in gathered for c in checks for b in g[c]["bytes"])
-        print(f"counted bytes equal the routing's formula on every rank, both routings: {same}", flush=True)
-    worst = max(c["worst"] for c in checks.values())
-    if not worst < 1e-9:
-        raise RuntimeError(f"rank {ctx.rank}: the expert-parallel layer differs from the dense one "
-                           f"by {worst:.2e}")
-
-
-def main() -> None:
-    with distributed() as ctx:
-        result = run(ctx)
-        ctx.report(**result)
-        print_results(ctx, result)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,8 @@
 (ep): activations and traffic per rank for a long-context and a mixture-of-experts model, and
 where each axis belongs on a cluster (its group inside a node or across nodes).
 
-Run:  ./run.sh labs/lab11_planner.py      (pure arithmetic: rank 0 prints the two rankings)
+A library of lab 11 (no main): ./run.sh labs/lab11_rankings.py prints the two rankings built on
+it (pure arithmetic).
 
 Given code, no exercise. It is built on labs/lab09_planner.py (ModelSpec, ClusterSpec, Link,
 collective_seconds, p2p_seconds, activation_bytes_per_layer: nothing here needs notebook 09's
@@ -11,18 +12,24 @@ labs/lab11_ulysses.py's `bytes_per_rank` for ring attention and Ulysses, labs/la
 `all_to_all_bytes` for the dispatch and combine (tests/test_lab11_planner.py holds the two
 together; lab 11's tests hold those formulas against the bytes their runs count).
 
-Layout: ranks tp fastest, then cp, then ep, then dp, then pp (Megatron-Core's default order,
-"tp-cp-ep-dp-pp", megatron/core/parallel_state.py). A cp group spans tp cp consecutive GPUs, an
-ep group tp cp ep; a group stays inside a node when that many GPUs fit in one (`group_link`).
+Layout, as Megatron-Core numbers its ranks (megatron/core/parallel_state.py,
+`initialize_model_parallel`): two rank generators over the same GPUs. Attention and the dense
+layers use tp, cp, dp, pp (order "tp-cp-ep-dp-pp" with ep = 1): a cp group spans tp cp
+consecutive GPUs. The experts use a generator of their own, ETP (expert tensor parallel, by
+default tp), EP, EDP = GPUs / (ETP EP PP) and PP with cp = 1 (cp is folded into ep and edp: "MoE
+parallel folding", Liu et al. 2025, arXiv:2504.14960): an ep group spans etp ep consecutive GPUs.
+A group stays inside a node when that many GPUs fit in one (`group_link`).
 
 - Context parallelism splits the sequence: every activation a rank keeps is 1/cp of the
   sequence's (`cp_activation_bytes_per_layer`); attention needs every key and value, which
   travel: around a ring (`design="ring"`, lab 11's ring attention: cp - 1 blocks of K and V per
   layer forward, the blocks again with their gradient accumulators backward), gathered whole
   (`"all-gather"`: Llama 3's choice, Dubey et al. 2024, arXiv:2407.21783, sec. 3.3.2; the same
-  bytes forward, a reduce-scatter of dK and dV backward), or as Ulysses' all-to-alls of q, k, v
-  and the output (`"ulysses"`, lab 11's lab11_ulysses.py; heads must split over tp cp). One
-  ring step computes a block of s/cp queries against s/cp keys (`ring_block`).
+  bytes forward; backward K and V gathered again, as torch's ring backward does with its
+  all-gather rotater (lab11_context_parallel counts all_gather, permute, permute), and a
+  reduce-scatter of dK and dV), or as Ulysses' all-to-alls of q, k, v and the output
+  (`"ulysses"`, lab 11's lab11_ulysses.py; heads must split over tp cp). One ring step computes a
+  block of s/cp queries against s/cp keys (`ring_block`).
 - Expert parallelism splits a mixture-of-experts layer's experts (`MoESpec`): each rank holds
   E/ep of them and a copy of everything else (`moe_params_per_rank`); every MoE layer sends each
   token's k rows to the ranks that hold its experts and brings the results back: two all-to-alls
@@ -31,18 +38,18 @@ ep group tp cp ep; a group stays inside a node when that many GPUs fit in one (`
 
 Times are the alpha-beta costs of notebook 09's planner on the link the group crosses: a message
 of the ring `p2p_seconds`, an all-gather or reduce-scatter `collective_seconds`, an all-to-all
-`all_to_all_seconds` (n - 1 steps, each rank sending (n-1)/n of its input). Nothing overlaps,
-except where a row says what the ring could hide behind its block computes.
+`all_to_all_seconds` (n - 1 steps, each rank sending (n-1)/n of its input). The ring's messages
+overlap its block computes, so only what a step's transfer takes beyond its block is charged
+(exposed); the collectives and all-to-alls are charged whole (exposed), an upper bound where a
+framework overlaps them with other work.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from helpers.tensors import divide
-from labs.lab08_zero import model_state_bytes
-from labs.lab09_planner import (GB, ClusterSpec, Link, ModelSpec, activation_bytes_per_layer,
-                                collective_seconds, p2p_seconds)
-from labs.lab09_schedules import pipeline_timing
+from labs.lab09_planner import (ClusterSpec, Link, ModelSpec, activation_bytes_per_layer, collective_seconds,
+                                p2p_seconds)
 from labs.lab11_ulysses import bytes_per_rank
 
 DESIGNS = ("ring", "all-gather", "ulysses")
@@ -113,8 +120,9 @@ def cp_bytes_per_layer(model: ModelSpec, micro_batch: int, cp: int, design: str 
     - "ring": lab11_ulysses.bytes_per_rank's count, 2 X_kv e (cp-1) forward; backward the blocks
       again and the dK/dV accumulators, which make cp hops: 2 X_kv e (cp-1) + 2 X_kv e' cp
       (e' = accumulate_bytes);
-    - "all-gather": an all-gather of K and V forward (what the ring sends: cp - 1 blocks), a
-      reduce-scatter of dK and dV backward (cp - 1 blocks of e');
+    - "all-gather": an all-gather of K and V forward (what the ring sends: cp - 1 blocks);
+      backward the same all-gather again (the gathered K and V are not kept: torch's backward
+      gathers them again) and a reduce-scatter of dK and dV (cp - 1 blocks of e');
     - "ulysses": bytes_per_rank's 4 X e (cp-1)/cp each way (q, k, v out and the output back;
       with fewer kv heads, (2 X + 2 X_kv) e (cp-1)/cp). ValueError if the heads (kv heads) on a
       tp rank do not split over cp: Ulysses gives each rank whole heads."""
@@ -128,7 +136,8 @@ def cp_bytes_per_layer(model: ModelSpec, micro_batch: int, cp: int, design: str 
         return bytes_per_rank("ring", cp, b, kv_here, s, d, element_bytes, accumulate_bytes)
     x_kv = b * kv_here * divide(s, cp, "the sequence over the context-parallel ranks") * d
     if design == "all-gather":
-        return {"forward": 2 * x_kv * element_bytes * (cp - 1), "backward": 2 * x_kv * accumulate_bytes * (cp - 1)}
+        gather = 2 * x_kv * element_bytes * (cp - 1)
+        return {"forward": gather, "backward": gather + 2 * x_kv * accumulate_bytes * (cp - 1)}
     if design == "ulysses":
         divide(kv_here, cp, "key/value heads of a tensor-parallel rank over the context-parallel ranks "
                             "(Ulysses gives each rank whole heads)")
@@ -144,9 +153,12 @@ def cp_seconds_per_layer(model: ModelSpec, cluster: ClusterSpec, micro_batch: in
                          design: str = "ring", *, tp: int = 1, element_bytes: int = 2,
                          accumulate_bytes: int = 4, kv_heads: int | None = None) -> dict:
     """One layer's context-parallel communication on the link a cp group crosses (span tp cp):
-    "forward_s", "backward_s" (exposed: nothing overlaps), "link", and for the ring what it could
-    hide: "step_transfer_s" (one K/V block's message), "step_compute_s" (one block at the cluster's
-    FLOP/s), "hidden" (the transfer fits behind the compute: lab 11's overlap condition)."""
+    "forward_s", "backward_s" (the exposed seconds), "transfer_s" (all of its messages' seconds,
+    exposed or not), "link", and for the ring "step_transfer_s" (one K/V block's message),
+    "step_compute_s" (one block at the cluster's FLOP/s), "hidden" (the transfer fits behind the
+    compute: lab 11's overlap condition). The ring's steps overlap their blocks: a forward step
+    exposes max(0, transfer - compute), a backward step (the block and the accumulators travel;
+    twice the block's forward compute) the same; the other designs are exposed whole."""
     link = group_link(cluster, tp * cp)
     out = {"link": link_name(cluster, tp * cp), "forward_s": 0.0, "backward_s": 0.0}
     if cp == 1:
@@ -154,14 +166,17 @@ def cp_seconds_per_layer(model: ModelSpec, cluster: ClusterSpec, micro_batch: in
     block = ring_block(model, micro_batch, cp, tp=tp, element_bytes=element_bytes, kv_heads=kv_heads)
     kv_acc = block["kv_bytes"] / element_bytes * accumulate_bytes
     if design == "ring":
-        out["forward_s"] = (cp - 1) * p2p_seconds(block["kv_bytes"], *link)
-        out["backward_s"] = out["forward_s"] + cp * p2p_seconds(kv_acc, *link)
-        out["step_transfer_s"] = p2p_seconds(block["kv_bytes"], *link)
-        out["step_compute_s"] = block["flops"] / cluster.flops_per_s
-        out["hidden"] = out["step_compute_s"] >= out["step_transfer_s"]
+        step, compute = p2p_seconds(block["kv_bytes"], *link), block["flops"] / cluster.flops_per_s
+        step_backward = step + p2p_seconds(kv_acc, *link)            # K/V and the dK/dV accumulator
+        out["transfer_s"] = (cp - 1) * step + (cp - 1) * step + cp * p2p_seconds(kv_acc, *link)
+        out["forward_s"] = (cp - 1) * max(0.0, step - compute)
+        out["backward_s"] = (cp - 1) * max(0.0, step_backward - 2 * compute) + p2p_seconds(kv_acc, *link)
+        out["step_transfer_s"], out["step_compute_s"] = step, compute
+        out["hidden"] = compute >= step
+        return out
     elif design == "all-gather":
         out["forward_s"] = collective_seconds("all_gather", cp * block["kv_bytes"], cp, *link)
-        out["backward_s"] = collective_seconds("reduce_scatter", cp * kv_acc, cp, *link)
+        out["backward_s"] = out["forward_s"] + collective_seconds("reduce_scatter", cp * kv_acc, cp, *link)
     elif design == "ulysses":
         cp_bytes_per_layer(model, micro_batch, cp, design, tp=tp, kv_heads=kv_heads)   # heads must split
         # two all-to-alls each way: q, k, v together (X + 2 X_kv elements in), then the output (X);
@@ -173,6 +188,7 @@ def cp_seconds_per_layer(model: ModelSpec, cluster: ClusterSpec, micro_batch: in
         out["backward_s"] = out["forward_s"]
     else:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    out["transfer_s"] = out["forward_s"] + out["backward_s"]
     return out
 
 
@@ -245,11 +261,12 @@ def ep_bytes_per_layer(tokens: int, moe: MoESpec, ep: int, hidden: int, element_
 
 
 def ep_seconds_per_layer(tokens: int, moe: MoESpec, ep: int, hidden: int, cluster: ClusterSpec, *,
-                         tp: int = 1, cp: int = 1, element_bytes: int = 2) -> dict:
-    """One MoE layer's all-to-alls on the link an ep group crosses (span tp cp ep): the counts, the
-    dispatch and the combine forward, the two row all-to-alls backward ("forward_s",
+                         etp: int = 1, element_bytes: int = 2) -> dict:
+    """One MoE layer's all-to-alls on the link an ep group crosses (span etp ep: Megatron-Core's
+    expert rank generator, expert tensor parallelism fastest, then ep; cp folded away): the
+    counts, the dispatch and the combine forward, the two row all-to-alls backward ("forward_s",
     "backward_s", "link"); each row all-to-all's input is the rank's T k rows."""
-    span = tp * cp * ep
+    span = etp * ep
     link = group_link(cluster, span)
     rows_in = tokens * moe.top_k * hidden * element_bytes
     counts = all_to_all_seconds(moe.experts * COUNT_BYTES, ep, *link)
@@ -262,165 +279,3 @@ def expert_flops_per_layer(tokens: int, moe: MoESpec, hidden: int) -> float:
     computes T k rows): 2 flops per weight per row."""
     matrices = 3 if moe.gated else 2
     return 2 * tokens * moe.top_k * matrices * hidden * moe.expert_ffn
-
-
-# ==================================================================== published models, ranked
-# Llama 3 405B (Dubey et al. 2024, arXiv:2407.21783, table 3): 126 layers, width 16,384, an MLP of
-# 53,248 (SwiGLU: three matrices; the planner's MLP has two, so its FLOPs and parameters come out
-# lower), 128 heads with 8 key/value heads (grouped-query attention), vocabulary 128,000, rotary
-# positions, RMSNorm, no biases. 128K-token sequences in the long-context stage; the 16K-GPU run
-# used tp 8, cp 16, pp 16, dp 8 (sec. 3.3.2, table 4), CP gathering K and V (sec. 3.3.2).
-LLAMA3_405B_128K = ModelSpec("Llama 3 405B, 128K context", layers=126, hidden=16384, heads=128, seq=131072,
-                             vocab=128000, global_batch=128, ffn=53248, biases=False, norm="rmsnorm",
-                             positions="rotary", tied=False)
-LLAMA3_KV_HEADS = 8
-# DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437; the released model's config): 61 layers (the
-# first 3 with a dense MLP of 18,432), width 7168, 128 heads (multi-head latent attention: the
-# planner counts plain attention), 256 routed experts and 1 shared per MoE layer, 8 per token,
-# each a SwiGLU MLP of 2048; vocabulary 129,280. Trained on 2048 H800s with 64-way expert
-# parallelism spanning 8 nodes (sec. 3.2); NVLink 160 GB/s inside a node, InfiniBand 50 GB/s
-# between (sec. 3.2.2). Sequences of 4096 tokens in pre-training.
-DEEPSEEK_V3 = ModelSpec("DeepSeek-V3", layers=61, hidden=7168, heads=128, seq=4096, vocab=129280,
-                        global_batch=1, ffn=18432, biases=False, norm="rmsnorm", positions="rotary", tied=False)
-DEEPSEEK_V3_MOE = MoESpec(experts=256, top_k=8, expert_ffn=2048, gated=True, biases=False, shared_experts=1,
-                          dense_layers=3)
-# H800 nodes as the paper gives them; the compute is an ASSUMPTION (the H100 SXM datasheet's 989
-# TFLOP/s dense bf16 at the planner's 0.7), as are the latencies (lab09_at_scale's).
-H800_CLUSTER = ClusterSpec("H800, 8 per node, NVLink 160 GB/s + InfiniBand 50 GB/s", gpus_per_node=8,
-                           memory_bytes=80 * GB, peak_flops=989e12, matmul_efficiency=0.7,
-                           intra_latency_s=1e-6, intra_bytes_per_s=160e9, inter_latency_s=5e-6,
-                           inter_bytes_per_s=50e9)
-
-
-def rank_long_context(model: ModelSpec = LLAMA3_405B_128K, cluster: ClusterSpec | None = None, *,
-                      gpus: int = 16384, tp: int = 8, pp: int = 16, micro_batch: int = 1,
-                      kv_heads: int | None = LLAMA3_KV_HEADS, cps=(1, 2, 4, 8, 16, 32), designs=DESIGNS,
-                      recomputes=("selective", "full"), element_bytes: int = 2) -> list[dict]:
-    """Each (cp, design, recomputation) for `model` on `gpus` GPUs with tp and pp fixed (default:
-    Llama 3 405B at 128K tokens on 16K GPUs, tp 8 inside a node, 16 stages, on lab09_at_scale's
-    H100 cluster); dp = gpus / (tp cp pp) replicas share the global batch, m = B / dp micro-batches
-    of `micro_batch` sequences each. Per GPU of the most loaded stage (ceil(L/pp) layers): the
-    activations it keeps (x the micro-batches 1F1B keeps in flight, sequence parallelism;
-    "selective": attention's scores never kept; "full": only each layer's input) and whether they
-    fit beside the model states (bf16 weights and gradients, fp32 Adam states sharded over dp:
-    ZeRO-1, an ASSUMPTION); per layer and micro-batch: the cp bytes and their exposed seconds on
-    the link a cp group crosses, the layer's compute (its matmuls and causal attention, forward and
-    backward, a forward more with full recomputation, over tp cp GPUs at the cluster's FLOP/s), and
-    for the ring whether a step's transfer hides behind its block; per step: 1F1B's simulated
-    makespan (lab09_schedules.pipeline_timing) with those per-micro-batch times (compute + exposed cp
-    traffic of the stage's layers; no other parallelism's traffic). Sorted: what fits first, then by
-    that step time. Designs that cannot split (Ulysses' heads) are left out."""
-    import math
-
-    if cluster is None:
-        from labs.lab09_at_scale import H100_CLUSTER as cluster
-    rows = []
-    layers_here = math.ceil(model.layers / pp)
-    b, s, h = micro_batch, model.seq, model.hidden
-    forward_flops = 2 * b * s * (4 * h * h + 2 * h * model.mlp_width) + 2 * b * s * s * h   # causal
-    for cp in cps:
-        if gpus % (tp * cp * pp) or model.global_batch % ((gpus // (tp * cp * pp)) * b):
-            continue
-        dp = gpus // (tp * cp * pp)
-        m = model.global_batch // (dp * b)
-        stage_params = model.embedding_params(tp) + layers_here * model.layer_params(tp)
-        states = model_state_bytes(stage_params, dp, 1, 2, 2, 12)["total"]
-        for recompute in recomputes:
-            in_flight = pipeline_timing("1F1B", pp, m, 1.0, 2.0)["peak_held"]
-            if recompute == "full":
-                acts = element_bytes * b * s * h / (cp * tp) * layers_here * in_flight
-            else:
-                acts = (cp_activation_bytes_per_layer(model, b, cp, tp=tp, sequence_parallel=tp > 1,
-                                                      element_bytes=element_bytes) * layers_here * in_flight)
-            forward_s = forward_flops / (cp * tp) / cluster.flops_per_s
-            backward_s = (3 if recompute == "full" else 2) * forward_s
-            compute_s = forward_s + backward_s
-            for design in designs if cp > 1 else designs[:1]:
-                try:
-                    sent = cp_bytes_per_layer(model, b, cp, design, tp=tp, element_bytes=element_bytes,
-                                              kv_heads=kv_heads)
-                except ValueError:
-                    continue
-                t = cp_seconds_per_layer(model, cluster, b, cp, design, tp=tp, element_bytes=element_bytes,
-                                         kv_heads=kv_heads)
-                comm = t["forward_s"] + t["backward_s"]
-                step = pipeline_timing("1F1B", pp, m, layers_here * (forward_s + t["forward_s"]),
-                                       layers_here * (backward_s + t["backward_s"]))["makespan"]
-                rows.append({"cp": cp, "design": design if cp > 1 else "-", "recompute": recompute, "dp": dp,
-                             "micro-batches": m, "activations GB/GPU": acts / GB, "states GB/GPU": states / GB,
-                             "fits": acts + states <= cluster.memory_bytes, "cp link": t["link"] if cp > 1 else "-",
-                             "cp MB/layer (fwd+bwd)": (sent["forward"] + sent["backward"]) / 1e6,
-                             "cp ms/layer exposed": 1e3 * comm, "compute ms/layer": 1e3 * compute_s,
-                             "ring hides its steps": t.get("hidden", "-"),
-                             "step s": step})
-    rows.sort(key=lambda r: (not r["fits"], r["step s"]))
-    return rows
-
-
-def rank_moe(model: ModelSpec = DEEPSEEK_V3, moe: MoESpec = DEEPSEEK_V3_MOE, cluster: ClusterSpec = H800_CLUSTER,
-             *, gpus: int = 2048, pp: int = 16, tokens: int | None = None, eps=(8, 16, 32, 64, 128, 256),
-             element_bytes: int = 2) -> list[dict]:
-    """Each ep for `model`'s MoE layers on `gpus` GPUs in `pp` stages (default: DeepSeek-V3 on 2048
-    H800s, 16 stages, one 4096-token sequence per rank and micro-batch, tp 1). Per GPU of a stage
-    (ceil(L/pp) layers, all MoE: the most loaded): its experts, the rows each expert gets (T k ep / E:
-    the size of its matmuls), the model states (bf16 weights and gradients, fp32 Adam states
-    sharded ZeRO-1 over the replicas: gpus / (pp ep) of each expert, gpus / pp of the rest; an
-    ASSUMPTION) and whether they fit; per MoE layer and micro-batch: the all-to-alls' bytes and
-    seconds on the link an ep group crosses, beside the same on the link inside a node (what they
-    would cost if the group fitted in one), and the routed experts' compute (forward and backward).
-    Sorted: what fits first, then by the layer's time (compute + all-to-alls, exposed). Uniform
-    routing over all ep ranks: DeepSeek's node-limited routing (at most 4 nodes per token) and its
-    FP8 dispatch are not modelled, so the traffic between nodes is an upper bound; nor is what
-    bigger matmuls per expert gain."""
-    import math
-    from dataclasses import replace
-
-    tokens = model.seq if tokens is None else tokens
-    layers_here = math.ceil(model.layers / pp)
-    stage = replace(model, layers=layers_here)
-    stage_moe = replace(moe, dense_layers=0)
-    compute_s = 3 * expert_flops_per_layer(tokens, moe, model.hidden) / cluster.flops_per_s
-    rows = []
-    for ep in eps:
-        if gpus % (pp * ep):
-            continue
-        params = moe_params_per_rank(stage, stage_moe, ep)
-        states = (model_state_bytes(params["expert"], gpus // (pp * ep), 1, 2, 2, 12)["total"]
-                  + model_state_bytes(params["other"], gpus // pp, 1, 2, 2, 12)["total"])
-        sent = ep_bytes_per_layer(tokens, moe, ep, model.hidden, element_bytes)
-        t = ep_seconds_per_layer(tokens, moe, ep, model.hidden, cluster, element_bytes=element_bytes)
-        inside = ep_seconds_per_layer(tokens, moe, ep, model.hidden, _with_nodes_of(cluster, ep),
-                                      element_bytes=element_bytes)
-        comm = t["forward_s"] + t["backward_s"]
-        rows.append({"ep": ep, "experts/GPU": params["experts per rank"],
-                     "rows per expert": tokens * moe.top_k * ep // moe.experts,
-                     "states GB/GPU": states / GB, "fits": states <= cluster.memory_bytes, "ep link": t["link"],
-                     "all-to-all MB/layer (fwd+bwd)": (sum(sent["forward"].values()) + sum(sent["backward"].values())) / 1e6,
-                     "all-to-all ms/layer": 1e3 * comm,
-                     "if inside a node ms": 1e3 * (inside["forward_s"] + inside["backward_s"]),
-                     "experts ms/layer": 1e3 * compute_s})
-    rows.sort(key=lambda r: (not r["fits"], r["all-to-all ms/layer"] + r["experts ms/layer"]))
-    return rows
-
-
-def _with_nodes_of(cluster: ClusterSpec, gpus: int) -> ClusterSpec:
-    """The same cluster with nodes of at least `gpus` GPUs (what if the group fitted in one)."""
-    from dataclasses import replace
-    return replace(cluster, gpus_per_node=max(cluster.gpus_per_node, gpus))
-
-
-def main() -> None:
-    from helpers.dist import distributed
-    from helpers.show import table
-
-    with distributed() as ctx:
-        if ctx.rank != 0:        # pure arithmetic: one rank is enough
-            return
-        long_rows, moe_rows = rank_long_context(), rank_moe()
-        ctx.report(long_context=long_rows, moe=moe_rows)
-        table(long_rows, floatfmt=".3g", title=f"{LLAMA3_405B_128K.name}: context parallelism, tp 8, pp 16")
-        table(moe_rows, floatfmt=".3g", title=f"{DEEPSEEK_V3.name}'s MoE layers on {H800_CLUSTER.name}")
-
-
-if __name__ == "__main__":
-    main()

@@ -22,7 +22,9 @@ and the (2 x CP - 1 - i)-th chunks"), and torch's context parallelism does the s
 """
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,8 +33,9 @@ import labs.lab11_ring_attention as ring
 from helpers import pick
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
-from helpers.show import table
 from helpers.tensors import divide
+from labs.lab11_results import Shown, median_and_noise
+from labs.lab11_ring_trace import trace_ring
 
 SCHEDULE_CHUNK = 2  # positions per chunk on paper (1 would make every diagonal chunk "full")
 
@@ -86,7 +89,7 @@ def work_per_rank(schedule: list[dict]) -> list[int]:
 # ============================================================================ the ring
 def zigzag_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                           group=None) -> torch.Tensor:
-    """Ring attention on zig-zag shards: q, k, v (b, h, seq_local, d) hold this rank's chunks r and
+    """Ring attention on zig-zag shards: q, k, v (b, a, seq_local, d) hold this rank's chunks r and
     2N-1-r (of 2N) one after the other; returns the same rows of SDPA's output, differentiable
     (the backward ring in this layout). Each step computes the tiles `block_pairs` leaves; the
     partial results of each query chunk are merged at the end (`combine_partials`)."""
@@ -94,7 +97,7 @@ def zigzag_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     n, r, seq_local = peers.size, peers.rank, q.shape[-2]
     pieces = ring.local_chunks("zigzag", r, n, seq_local)
     with torch.no_grad():
-        kv = torch.stack([k, v])                                       # (2, b, h, s, d)
+        kv = torch.stack([k, v])                                       # (2, b, a, s, d)
         partial = {offset: ([], []) for offset, _, _ in pieces}        # q chunk -> outs, lses
         for step in range(n):
             source = (r - step) % n
@@ -121,8 +124,8 @@ def zigzag_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
 # ============================================================================ measured
 def measure_balance(device: torch.device, sizes: dict, layout: str, repeats: int, group=None) -> dict:
     """One causal forward per repeat of `layout`'s ring (contiguous: the homework ring_attention)
-    on the same input; per rank: score entries computed (batch and heads aside), seconds inside
-    attention_block (the best repeat) and the whole call's seconds."""
+    on the same input; per rank: score entries computed (batch and heads aside), and per repeat
+    the seconds inside attention_block and the whole call's seconds."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v = ring.sample_qkv(sizes["batch"], sizes["heads"], sizes["seq_local"] * n,
                               sizes["head_dim"], dtype=torch.float32, device=device)
@@ -132,12 +135,12 @@ def measure_balance(device: torch.device, sizes: dict, layout: str, repeats: int
     for _ in range(repeats):
         dist.barrier(group=group)
         start = time.perf_counter()
-        with ring.trace_ring() as trace:
+        with trace_ring() as trace:
             attention(*mine, causal=True, group=group)
         wall.append(time.perf_counter() - start)
         compute.append(trace.compute_seconds)
         work = trace.work
-    return {"work": work, "compute_s": min(compute), "wall_s": min(wall)}
+    return {"work": work, "compute_s": compute, "wall_s": wall}
 
 
 def default_sizes() -> dict:
@@ -148,7 +151,7 @@ def run(ctx: DistContext, repeats: int | None = None, **sizes) -> dict:
     """The schedules on paper, the zig-zag ring against SDPA (float64) and both layouts' work and
     compute time measured per rank (every rank reports its own)."""
     s = {**default_sizes(), **sizes}
-    repeats = pick(3, 1) if repeats is None else repeats
+    repeats = pick(5, 3) if repeats is None else repeats
     n = ctx.world_size
     schedules = {layout: ring_schedule(n, layout) for layout in ring.LAYOUTS}
     check_sizes = dict(batch=2, heads=2, seq_local=8, head_dim=4)
@@ -166,40 +169,104 @@ def run(ctx: DistContext, repeats: int | None = None, **sizes) -> dict:
             "torch_positions": torch_head_tail_positions(2 * n * 2, n)}
 
 
-def balance_rows(reports: list[dict]) -> list[dict]:
-    """One row per (layout, rank) from every rank's `run` report: predicted tiles, measured work
-    (in tiles of (S/2N)^2) and compute seconds against the slowest rank's."""
-    rows = []
-    first = reports[0]
+# ============================================================================ what the notebook shows
+def spread_per_repeat(per_rank_seconds: list[list[float]]) -> list[float]:
+    """Slowest / fastest rank's seconds in each repeat."""
+    return [max(times) / min(times) for times in zip(*per_rank_seconds) if min(times) > 0]
+
+
+def narrowed_verdict(contiguous: list[float], zigzag: list[float]) -> str:
+    """From each layout's slowest/fastest ratio per repeat: did zig-zag narrow the spread by more
+    than the repeats' noise?"""
+    (c, c_noise), (z, z_noise) = median_and_noise(contiguous), median_and_noise(zigzag)
+    noise = max(c_noise, z_noise)
+    if c - z > 2 * noise:
+        return f"zig-zag narrowed it ({c:.2f} to {z:.2f}, noise {noise:.2f})"
+    if z - c > 2 * noise:
+        return f"zig-zag widened it on this run ({c:.2f} to {z:.2f}, noise {noise:.2f})"
+    return f"the difference ({c:.2f} against {z:.2f}) is within the run's noise ({noise:.2f}): noise"
+
+
+@dataclass(frozen=True)
+class BalanceResult(Shown):
+    compute_ms: dict[str, list[float]]       # layout -> per rank, median ms inside attention_block
+
+
+def balance_summary(reports: list[dict]) -> BalanceResult:
+    """Every rank's `run` report: the zig-zag ring against SDPA, torch's layout, and per (layout,
+    rank) the tiles (on paper and traced) and the compute time, with the verdicts."""
+    first, n = reports[0], len(reports)
+    worst = max(c["worst"] for rep in reports for c in rep["zigzag_vs_sdpa"].values())
     tile = (first["sizes"]["seq_local"] // 2) ** 2
+    lines = [f"zigzag_ring_attention vs SDPA (float64, output and gradients, every rank): largest difference "
+             f"{worst:.1e} ({'rounding' if worst < 1e-9 else 'MORE than rounding'})",
+             f"rank positions for s = {4 * n}: ours {first['positions']}; torch's _HeadTailLoadBalancer "
+             f"{first['torch_positions']}" + (": the same" if first["positions"] == first["torch_positions"]
+                                              else ": DIFFERENT")]
+    rows, compute_ms, spreads = [], {}, {}
     for layout in ring.LAYOUTS:
         measured = [rep["balance"][layout] for rep in reports]
         if any("unsolved" in m for m in measured):
             continue
-        slowest = max(m["compute_s"] for m in measured)
+        medians = [median_and_noise(m["compute_s"])[0] for m in measured]
+        compute_ms[layout] = [1e3 * t for t in medians]
+        spreads[layout] = spread_per_repeat([m["compute_s"] for m in measured])
         for rank, m in enumerate(measured):
-            rows.append({"layout": layout, "rank": rank,
-                         "tiles (paper)": first["predicted_tiles"][layout][rank],
-                         "tiles (measured)": m["work"] / tile,
-                         "compute s": m["compute_s"], "compute / slowest": m["compute_s"] / slowest,
-                         "wall s": m["wall_s"]})
-    return rows
+            rows.append({"layout": layout, "rank": rank, "tiles (paper)": first["predicted_tiles"][layout][rank],
+                         "tiles (traced)": m["work"] / tile, "compute ms": compute_ms[layout][rank],
+                         "compute / slowest": medians[rank] / max(medians),
+                         "call ms": 1e3 * median_and_noise(m["wall_s"])[0]})
+    agree = all(math.isclose(r["tiles (paper)"], r["tiles (traced)"]) for r in rows)
+    lines.append("tiles traced " + ("equal the schedule on paper in every row" if agree else "DIFFER from the schedule"))
+    if len(spreads) < 2:
+        lines.append("only the zig-zag layout ran (ring_attention is not written yet)")
+    else:
+        lines.append("slowest / fastest rank's compute time: " + narrowed_verdict(spreads["contiguous"], spreads["zigzag"]))
+        paper = {layout: max(first["predicted_tiles"][layout]) for layout in ring.LAYOUTS}
+        calls = {layout: max(r["call ms"] for r in rows if r["layout"] == layout) for layout in ring.LAYOUTS}
+        lines.append(f"the slowest rank's call: contiguous {calls['contiguous']:.1f} ms, zig-zag {calls['zigzag']:.1f} ms "
+                     f"(x{calls['contiguous'] / calls['zigzag']:.2f}; the busiest ranks' tiles on paper: "
+                     f"{paper['contiguous']} against {paper['zigzag']}, x{paper['contiguous'] / paper['zigzag']:.2f})")
+    return BalanceResult(f"causal ring attention, {n} ranks, {first['sizes']}: work and compute time per rank",
+                         rows, lines, compute_ms)
 
 
-def balance_summary(rows: list[dict]) -> str:
-    """One sentence from `balance_rows`: the spread of compute time over ranks (slowest / fastest)
-    per layout, and whether zig-zag narrowed it on this run."""
-    spread = {}
-    for layout in ring.LAYOUTS:
-        seconds = [r["compute s"] for r in rows if r["layout"] == layout]
-        if seconds and min(seconds) > 0:
-            spread[layout] = max(seconds) / min(seconds)
-    if len(spread) < 2:
-        return "only the zig-zag layout ran (ring_attention is not written yet)"
-    verdict = ("zig-zag narrowed it on this run" if spread["zigzag"] < spread["contiguous"]
-               else "zig-zag did not narrow it on this run (timings on a busy machine vary)")
-    return (f"slowest / fastest rank's compute time: contiguous {spread['contiguous']:.2f}, "
-            f"zig-zag {spread['zigzag']:.2f}; {verdict}")
+def draw_schedule(n: int, layout: str, causal: bool):
+    """The explorer's picture: which rank computes each tile at which step (left), and the tiles per
+    rank stacked by step (right). Returns (figure, text)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Polygon, Rectangle
+
+    rows = ring_schedule(n, layout, causal)
+    work = work_per_rank(rows)
+    fig, (grid, bars) = plt.subplots(1, 2, figsize=(9.2, 3.9), gridspec_kw={"width_ratios": [1, 1.15]})
+    if causal:
+        grid.add_patch(Polygon([(0, 0), (2 * n, 0), (2 * n, 2 * n)], closed=True, facecolor="none",
+                               edgecolor="lightgray", hatch="//", linewidth=0))
+    for row in rows:
+        for q0, ql, k0, kl, _ in row["computes"]:
+            grid.add_patch(Rectangle((k0, q0), kl, ql, facecolor=plt.get_cmap("tab10")(row["rank"] % 10), alpha=0.55,
+                                     edgecolor="black"))
+            grid.text(k0 + kl / 2, q0 + ql / 2, f"r{row['rank']}\ns{row['step']}" if n <= 4 else str(row["step"]),
+                      ha="center", va="center", fontsize=8 if n <= 4 else 6)
+    grid.set(xlim=(0, 2 * n), ylim=(2 * n, 0), xticks=range(2 * n + 1), yticks=range(2 * n + 1), aspect="equal",
+             xlabel="key chunk (s/2N positions)", ylabel="query chunk", title=f"{layout}: tile's rank (r) and step (s)")
+    bottom = [0] * n
+    for step in range(n):
+        heights = [next(r["work"] for r in rows if r["rank"] == rank and r["step"] == step) for rank in range(n)]
+        bars.bar(range(n), heights, bottom=bottom, color=plt.get_cmap("viridis")(step / max(n - 1, 1)),
+                 edgecolor="white", label=f"step {step}")
+        bottom = [x + y for x, y in zip(bottom, heights)]
+    mean = sum(work) / n
+    bars.axhline(mean, color="gray", linestyle="--", linewidth=1)
+    bars.set(xlabel="rank", ylabel="tiles computed", xticks=range(n), ylim=(0, 1.35 * max(work)),
+             title="work per rank, by step (dashed: mean)")
+    bars.legend(fontsize=7, ncol=4, loc="upper left")
+    fig.tight_layout()
+    other = work_per_rank(ring_schedule(n, next(x for x in ring.LAYOUTS if x != layout), causal))
+    return fig, (f"tiles per rank: {work}; the busiest rank computes {max(work)}, the average is {mean:.1f}: the "
+                 f"ring, which finishes with its busiest rank, takes {max(work) / mean:.2f}x the time of a perfectly "
+                 f"balanced split; the other layout's busiest rank computes {max(other)} tiles")
 
 
 def main() -> None:
@@ -209,13 +276,7 @@ def main() -> None:
         reports = [None] * ctx.world_size
         dist.all_gather_object(reports, result)
         if ctx.rank == 0:
-            table([{"rank": r, "mask": m, **{k: f"{v:.1e}" for k, v in rep["zigzag_vs_sdpa"][m].items()}}
-                   for r, rep in enumerate(reports) for m in ("full", "causal")],
-                  title="zigzag_ring_attention vs SDPA on one process (float64)")
-            rows = balance_rows(reports)
-            table(rows, title=f"causal ring attention, {ctx.world_size} ranks, "
-                  f"{result['sizes']}: work and compute time per rank")
-            print(balance_summary(rows), flush=True)
+            balance_summary(reports).show()
         worst = max(c["worst"] for c in result["zigzag_vs_sdpa"].values())
         if worst > 1e-9:
             raise RuntimeError(f"rank {ctx.rank}: zigzag_ring_attention differs from SDPA by {worst:.2e}")

@@ -204,8 +204,9 @@ def parameter_count(config: LMConfig) -> int:
 def model_flops_per_token(config: LMConfig) -> float:
     """Training FLOPs per token, forward + backward (3x the forward): 6 per weight of the matmuls
     (the embedding is a lookup: none) plus attention's scores and weighted sum, 6 * 2 t h per
-    layer counted in full (Kaplan et al. 2020's 6N + 12 L t h, arXiv:2001.08361, table 1, without
-    the causal half)."""
+    layer counted in full, without the causal half: PaLM's 6N + 12 L H Q T (Chowdhery et al. 2022,
+    arXiv:2204.02311, appendix B; H Q = h here). Kaplan et al. 2020 (arXiv:2001.08361, table 1)
+    count attention as 2 n_layer n_ctx d_attn per forward token, 6 L t h for training: half of it."""
     h, t = config.dim, config.seq
     matmul_weights = config.layers * (4 * h * h + 2 * h * config.ffn) + h * config.vocab
     return 6 * matmul_weights + 12 * config.layers * t * h

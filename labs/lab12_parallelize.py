@@ -108,9 +108,15 @@ def parallelize(model: ByteLM, mesh: DeviceMesh, *, loss_parallel: bool = True,
     - every parameter is a DTensor; the matrices of attention, the MLP, the embedding and the
       output layer are split over the tp ranks and every parameter is split again over the dp
       ranks only (never over ranks of another dimension), so a rank holds 1/(dp tp) of each
-      matrix and 1/dp of each norm's weight;
+      matrix and 1/dp of each norm's weight; the embedding and the output layer are split over
+      the vocabulary: each tp rank holds the rows of some tokens (looks up those tokens, computes
+      their logits);
     - with tp > 1 the activations between the blocks, and the inputs of every RMSNorm, are split
-      along the sequence (sequence parallelism): a rank's norm sees (b, t / tp, dim);
+      along the sequence (sequence parallelism): a rank's norm sees (b, t / tp, dim); the tp ranks
+      exchange activations only where that needs it: in a forward, one all-gather of the sequence
+      into each attention, each MLP and the output layer, and one reduce-scatter out of each
+      attention, each MLP and the embedding (the backward the reverse), besides the loss's
+      reductions and, with `loss_parallel` False, the logits' gather;
     - a stage's forward takes what the previous stage's forward returns: the first stage the
       tokens (b, t), the same on every tp rank; a later stage plain tensors of hidden states,
       split along the sequence over the tp ranks when tp > 1. The stage with the output layer
@@ -119,13 +125,18 @@ def parallelize(model: ByteLM, mesh: DeviceMesh, *, loss_parallel: bool = True,
       `torch.distributed.tensor.parallel.loss_parallel()`; whole logits (a plain tensor, every
       tp rank the same) when it is False;
     - `activation_checkpointing`: each block keeps only its input for the backward;
-    - FSDP2: each block is one unit (`fully_shard`), and the root too; `mp_policy` (a
-      `MixedPrecisionPolicy`, or None for none) applies to every unit;
+    - FSDP2: each block, as `model.layers` holds it (checkpointed or not), is one unit
+      (`fully_shard`), and the root too; `mp_policy` (a `MixedPrecisionPolicy`, or None for none)
+      applies to every unit; without a pipeline a block's parameters are whole only around its
+      own forward and its own backward: during a step at most the root's and one block's are
+      gathered at once;
     - trained with AdamW and `clip_grad_norm_`, it gives the losses and parameters of the same
       model trained whole in one process (within float32 rounding).
     The tests check the placements, meshes and local sizes of the parameters, the shapes the
-    norms see, the logits' placement, the FSDP units, what a block keeps for the backward, the
-    dtype the layers compute in, and training against one process, on several meshes.
+    norms see, the logits' placement, the FSDP units, the units whole at once during a step, the
+    collectives of a forward and a step on each mesh dimension (counted), what a block keeps for
+    the backward, the dtype the layers compute in, and training against one process, on several
+    meshes.
     """
     ### BEGIN SOLUTION
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

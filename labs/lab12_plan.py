@@ -4,8 +4,10 @@ and the step is timed beside the planner's inputs, under the same load.
 Run:  ./run.sh 12      (8 ranks, a 2 x 2 x 2 mesh; alone: NPROC=8 ./run.sh labs/lab12_plan.py)
 
 The planner (labs/lab09_planner.py) needs a model, a configuration and a cluster. The model and
-the configuration are lab 12's (`lab12_model`, `lab12_config` in labs/lab09_mesh.py: fp32, AdamW,
-FSDP2 over dp as ZeRO-3, sequence parallelism, 1F1B with the Trainer's micro-batches). The cluster
+the configuration are lab 12's (`lab12_model`, `lab12_config` below: fp32, AdamW, FSDP2 over dp
+as ZeRO-3, sequence parallelism, 1F1B with the Trainer's micro-batches); FSDP2's calls on dp are
+counted per unit, as FSDP2 makes them (`fsdp2_calls`, checked against the traffic meter), not
+per micro-batch as the planner's ZeRO-3 term counts them. The cluster
 is this machine, measured by `measure_machine` (labs/lab09_mesh.py) in this launch: the FLOP/s of
 a rank's share of a dense stack's training step at this model's width, sequence and batch (small
 matrices run far below a large matmul's rate, so the calibration uses this model's sizes), the
@@ -16,7 +18,7 @@ shared machine hits both alike (`timed_rounds`). Each round's time is its slowes
 
 Also measured here, to hold the prediction against the run term by term (the notebook does, with
 the per-rank trace of labs/lab12_trace.py): the calls of one composed step by mesh dimension
-(labs/lab12_train.py's MeshTraffic) beside the calls the planner's formulas count
+(helpers.traffic.TrafficMeter) beside the calls the planner's formulas count
 (`planner_calls`); the operators the step dispatches, and how many on DTensors (`OpCount`); what
 DTensor's dispatch adds to one small operator (`dispatch_cost`); and the CPU time of a step on
 each rank, the composed step beside the planner's calibration step (`cpu_seconds`: the ranks share
@@ -28,15 +30,17 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import pick
 from helpers.dist import DistContext, distributed
+from helpers.traffic import TrafficMeter
 from labs.lab12_model import LMConfig, batch_at, corpus, default_config, split
 from labs.lab12_parallelize import mesh_shape
-from labs.lab12_train import MeshTraffic, Trainer
+from labs.lab12_train import Trainer
 
 LAB_NPROC = 8
 STEP_JOB = "lab 12 step"      # the composed step's name among measure_machine's jobs
@@ -48,23 +52,61 @@ def stack_sizes(config: LMConfig, rounds: int | None = None) -> dict:
                 batch=config.batch, timed_steps=rounds if rounds is not None else pick(9, 4))
 
 
-def planner_calls(shape, microbatches: int, layers: int) -> dict[str, int]:
-    """The calls per step on stage 0 that the planner's step time counts, by mesh dimension
-    (`plan_step_time`): tp, the sequence-parallel collectives of `tp_collectives_per_layer` for
-    each of the stage's layers and micro-batches; dp, ZeRO-3's two all-gathers and a reduce-scatter
-    per micro-batch; pp, one message each way per micro-batch."""
-    from labs.lab09_mesh import lab12_config
+def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[str]:
+    """torch's Schedule1F1B on one stage, as it runs it: min(m, stages - stage) forwards, then a
+    backward and a forward in turn, then the remaining backwards (torch/distributed/pipelining/
+    schedules.py). Actions "F" and "B", in order; one "F", "B" without a pipeline."""
+    if stages == 1:
+        return ["F", "B"]
+    warmup = min(microbatches, stages - stage)
+    order, forwards, backwards = ["F"] * warmup, warmup, 0
+    while backwards < microbatches:
+        order.append("B")
+        backwards += 1
+        if forwards < microbatches:
+            order.append("F")
+            forwards += 1
+    return order
+
+
+def fsdp2_calls(actions: list[str], blocks: int, reshard_after_forward: bool = True,
+                pipelined: bool = True) -> dict[str, int]:
+    """FSDP2's calls on dp in one step of a stage of `blocks` units and a root, each unit
+    following its state: a forward or a backward that finds the unit sharded all-gathers it; after a
+    forward a block reshards if `reshard_after_forward` (the root never: FSDP2's root keeps its
+    parameters for the backward); after a backward a unit stays whole under a pipeline (torch's
+    PipelineStage: set_reshard_after_backward(False) until the step's end) and reshards without
+    one; each unit reduce-scatters its gradients once per step. Returns {"all_gather": ...,
+    "reduce_scatter": ...}."""
+    gathers = 0
+    for root in [True] + [False] * blocks:
+        whole = False
+        for action in actions:
+            gathers += not whole
+            whole = not (action == "F" and reshard_after_forward and not root) and \
+                not (action == "B" and not pipelined)
+    return {"all_gather": gathers, "reduce_scatter": blocks + 1}
+
+
+def planner_calls(shape, microbatches: int, layers: int, stage: int = 0) -> dict[str, int]:
+    """The calls per step on `stage` that the step time counts, by mesh dimension: tp, the
+    sequence-parallel collectives of `tp_collectives_per_layer` for each of the stage's layers and
+    micro-batches (plan_step_time); dp, FSDP2's per unit (`fsdp2_calls` with 1F1B's order), not
+    notebook 09's ZeRO-3 per micro-batch (two all-gathers and a reduce-scatter each: `zero3`);
+    pp, one message each way per micro-batch."""
     from labs.lab09_planner import tp_collectives_per_layer
 
     pp, dp, tp = shape
     config = lab12_config(shape, microbatches)
     per_layer = sum(len(kinds) for kinds in tp_collectives_per_layer(config).values())
+    fsdp = fsdp2_calls(one_f_one_b(stage, pp, microbatches), layers // pp, pipelined=pp > 1)
     return {"tp": layers // pp * microbatches * per_layer if tp > 1 else 0,
-            "dp": 3 * microbatches if dp > 1 else 0, "pp": 2 * microbatches if pp > 1 else 0}
+            "dp": sum(fsdp.values()) if dp > 1 else 0, "pp": 2 * microbatches if pp > 1 else 0,
+            "zero3": 3 * microbatches if dp > 1 else 0}
 
 
 def measured_calls(traffic: dict) -> dict[str, int]:
-    """Collective calls and messages of one step by mesh dimension, from MeshTraffic.summary()."""
+    """Collective calls and messages of one step by mesh dimension, from TrafficMeter.summary()."""
     return {dim: sum(t["calls"].values()) for dim, t in traffic.items()}
 
 
@@ -137,33 +179,146 @@ def composed_step(trainer: Trainer, data: torch.Tensor):
     return step
 
 
+# ================================================================== lab 12, as the planner sees it
+def lab12_model(config):
+    """Lab 12's byte-level language model (labs/lab12_model.py's LMConfig) as the planner's
+    ModelSpec. Its layout differs from the GPT one of the formulas, and says so: RMSNorm (a weight
+    per norm), rotary positions (no parameters), no biases, an MLP of width `ffn`, an untied
+    output layer (on the last stage), a vocabulary of 256 bytes. The parameters then come out as
+    lab12_model.parameter_count counts them (the final norm on the last stage:
+    `last_stage_params`). Activations: Korthikanti et al.'s count, whose MLP is 4h wide (the lab's
+    full size has ffn = 4 dim; smoke mode's does not) and whose attention keeps q, k and v: the
+    rotated copies rotary positions make are not in it."""
+    from labs.lab09_planner import ModelSpec
+    return ModelSpec("lab 12 byte LM", layers=config.layers, hidden=config.dim, heads=config.heads, seq=config.seq,
+                     vocab=config.vocab, global_batch=config.batch, ffn=config.ffn, biases=False, norm="rmsnorm",
+                     positions="rotary", tied=False)
+
+
+def lab12_config(shape, microbatches: int, activation_checkpointing: bool = False):
+    """Lab 12's (pp, dp, tp) run as the planner's ParallelConfig: FSDP2 over dp is ZeRO-3,
+    sequence parallelism with tp > 1, 1F1B over pp with `microbatches` per replica (the Trainer's
+    choice), float32 parameters, gradients and activations, AdamW (8 bytes of state per
+    parameter), no dropout; attention as the CPU's fused kernel runs it ("selective"), or "full"
+    recomputation with activation checkpointing per block."""
+    from labs.lab09_planner import ParallelConfig
+    pp, dp, tp = shape
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=3, micro_batches=microbatches,
+                          recompute="full" if activation_checkpointing else "selective",
+                          sequence_parallel=tp > 1, schedule="1F1B", param_bytes=4, grad_bytes=4,
+                          optimizer_bytes=8, activation_bytes=4, dropout=False)
+
+
+def fsdp2_dp_seconds(model, cluster, parallel, stage: int = 0) -> float:
+    """FSDP2's data-parallel time per step on `stage`: each unit's all-gathers of its parameters
+    and its one reduce-scatter of its gradients (`fsdp2_calls`, 1F1B's order), `collective_seconds`
+    on the dp link; a block's unit holds a layer, the root the embedding (first stage) and the
+    output layer with the final norm (last stage)."""
+    from labs.lab09_planner import axis_link, collective_seconds
+
+    if parallel.dp == 1:
+        return 0.0
+    actions = one_f_one_b(stage, parallel.pp, parallel.micro_batches)
+    root_calls = fsdp2_calls(actions, 0, pipelined=parallel.pp > 1)
+    block_gathers = fsdp2_calls(actions, 1, pipelined=parallel.pp > 1)["all_gather"] - root_calls["all_gather"]
+    root_params = (model.embedding_params(parallel.tp) if stage == 0 else 0.0) + \
+        (model.last_stage_params(parallel.tp) if stage == parallel.pp - 1 else 0.0)
+    link = axis_link(cluster, parallel, "dp")
+
+    def unit(params: float, gathers: int) -> float:
+        return (gathers * collective_seconds("all_gather", params * parallel.param_bytes, parallel.dp, *link)
+                + collective_seconds("reduce_scatter", params * parallel.grad_bytes, parallel.dp, *link))
+
+    return (unit(root_params, root_calls["all_gather"])
+            + model.layers // parallel.pp * unit(model.layer_params(parallel.tp), block_gathers))
+
+
+def plan_lab12(config, shape, microbatches: int, cluster, activation_checkpointing: bool = False) -> dict:
+    """The planner's prediction for lab 12's run (labs/lab12_train.py) on `cluster` (e.g.
+    `lab_cluster(measure_machine(...)[0])`, measured in the same launch): {"model", "config"
+    (the planner's inputs), "memory": bytes per rank on the first and on the last pipeline stage
+    (parameters, gradients, optimizer state, activations, total: plan_memory for the first;
+    the last holds the untied output layer and the final norm instead of the embedding, and
+    1F1B keeps one micro-batch in flight there), "step_s" and "time": plan_step_time's terms on
+    stage 0, with FSDP2's data-parallel calls per unit (`fsdp2_dp_seconds`) in "dp_comm" and the
+    exercise's ZeRO-3 term, per micro-batch, kept as "dp_comm_zero3"}. Needs the planner exercise
+    (plan_memory, plan_step_time)."""
+    from dataclasses import asdict
+
+    from labs.lab08_zero import model_state_bytes
+    from labs.lab09_planner import activation_bytes_per_layer, plan_memory, plan_step_time
+
+    model, parallel = lab12_model(config), lab12_config(shape, microbatches, activation_checkpointing)
+    first = plan_memory(model, parallel)
+    layers_here = model.layers // parallel.pp
+    params_last = layers_here * model.layer_params(parallel.tp) + model.last_stage_params(parallel.tp)
+    if parallel.pp == 1:                 # one stage: the first is also the last
+        params_last += model.embedding_params(parallel.tp)
+    states = model_state_bytes(params_last, parallel.dp, parallel.zero_stage, parallel.param_bytes,
+                               parallel.grad_bytes, parallel.optimizer_bytes)
+    layer_bytes = activation_bytes_per_layer(model.seq, model.global_batch // (parallel.dp * parallel.micro_batches),
+                                           model.hidden, model.heads, tp=parallel.tp,
+                                           sequence_parallel=parallel.sequence_parallel, recompute=parallel.recompute,
+                                           element_bytes=parallel.activation_bytes, dropout=parallel.dropout)
+    last = {"parameters": states["parameters"], "gradients": states["gradients"],
+            "optimizer state": states["optimizer state"], "activations": layer_bytes * layers_here}
+    last["total"] = sum(last.values())
+    time = asdict(plan_step_time(model, cluster, parallel))
+    # FSDP2's calls on dp per unit (fsdp2_calls), not the exercise's ZeRO-3 per micro-batch
+    time["dp_comm_zero3"], time["dp_comm"] = time["dp_comm"], fsdp2_dp_seconds(model, cluster, parallel)
+    time["total"] = sum(time[k] for k in ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm"))
+    return {"model": asdict(model), "config": asdict(parallel),
+            "memory": {"first stage": {"parameters": first.parameters, "gradients": first.gradients,
+                                       "optimizer state": first.optimizer_state, "activations": first.activations,
+                                       "total": first.total, "params_per_gpu": first.params_per_gpu,
+                                       "microbatches_in_flight": first.microbatches_in_flight},
+                       "last stage": {**last, "params_per_gpu": params_last, "microbatches_in_flight": 1}},
+            "step_s": time["total"], "time": time}
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """The composed step as `measure_step` measured it on one rank (reported as a dict: rebuild it
+    with StepMeasurement(**d))."""
+    microbatches: int
+    step_seconds: list          # each round's time (its slowest rank's)
+    step_s: float               # their median
+    traffic: dict               # TrafficMeter.summary() of one step
+    calls: dict                 # calls per dimension in that step
+    planner_calls: dict         # planner_calls: what the planner counts (FSDP2's per unit on dp; "zero3")
+    ops: int                    # operators one step dispatched
+    dtensor_ops: int            # ... with a DTensor argument
+    dense_ops: int              # operators of the planner's calibration step
+    dispatch_s: dict            # dispatch_cost: CPU seconds per small operator, "plain" and "DTensor"
+    cpu: dict                   # cpu_seconds of "composed step" and "dense step"
+
+
 def measure_step(ctx: DistContext, config: LMConfig, shape, rounds: int | None) -> tuple[dict, dict]:
     """The composed step, warmed up, its calls counted, then timed in measure_machine's rounds."""
-    from labs.lab09_mesh import compute_step, default_sizes, measure_machine
+    from labs.lab09_machine import compute_step, measure_machine
     from labs.lab09_sequence_parallel import sample
 
     data, _ = split(corpus())
     trainer = Trainer(ctx, config, shape)
     step = composed_step(trainer, data)
     step()                                   # the first step builds the pipeline's buffers
-    traffic, ops = MeshTraffic(trainer.mesh), OpCount()
+    traffic, ops = TrafficMeter(trainer.mesh), OpCount()
     with traffic, ops:
         step()
     sizes = stack_sizes(config, rounds)
     machine, samples = measure_machine(ctx, sizes, {STEP_JOB: step})
     seconds = samples[STEP_JOB]
     x, target = sample(config.batch, config.seq, config.dim, seed=10, device=ctx.device)
-    dense = compute_step(ctx, {**default_sizes(), **sizes}, x, target)[0]    # the planner's calibration step
+    dense = compute_step(ctx, sizes, x, target)[0]    # the planner's calibration step
     cpu = {"composed step": cpu_seconds(ctx, step, pick(3, 2)), "dense step": cpu_seconds(ctx, dense, pick(5, 3))}
     dense_ops = OpCount()
     with dense_ops:
         dense()
-    return machine, {"microbatches": trainer.microbatches, "step_seconds": seconds,
-                     "step_s": statistics.median(seconds), "traffic": traffic.summary(),
-                     "calls": measured_calls(traffic.summary()),
-                     "planner_calls": planner_calls(shape, trainer.microbatches, config.layers),
-                     "ops": ops.ops, "dtensor_ops": ops.dtensor_ops, "dense_ops": dense_ops.ops,
-                     "dispatch_s": dispatch_cost(ctx, trainer.mesh), "cpu": cpu}
+    return machine, asdict(StepMeasurement(
+        microbatches=trainer.microbatches, step_seconds=seconds, step_s=statistics.median(seconds),
+        traffic=traffic.summary(), calls=measured_calls(traffic.summary()),
+        planner_calls=planner_calls(shape, trainer.microbatches, config.layers), ops=ops.ops,
+        dtensor_ops=ops.dtensor_ops, dense_ops=dense_ops.ops, dispatch_s=dispatch_cost(ctx, trainer.mesh), cpu=cpu))
 
 
 def run(ctx: DistContext, *, config: LMConfig | None = None, shape=None, rounds: int | None = None) -> dict:
@@ -186,8 +341,8 @@ def run(ctx: DistContext, *, config: LMConfig | None = None, shape=None, rounds:
 
 def prediction(out: dict) -> dict:
     """The planner's prediction for the run `out` (this lab's run) on the cluster it measured:
-    labs/lab09_mesh.py's plan_lab12 (needs notebook 09's planner exercise)."""
-    from labs.lab09_mesh import lab_cluster, plan_lab12
+    plan_lab12 (needs notebook 09's planner exercise)."""
+    from labs.lab09_mesh import lab_cluster
 
     config = LMConfig(**out["config"])
     return plan_lab12(config, tuple(out["shape"]), out["step"]["microbatches"], lab_cluster(out["machine"]))

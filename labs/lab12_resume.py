@@ -104,10 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def lab(ctx: DistContext, args: argparse.Namespace, root: Path) -> dict:
+def lab(ctx: DistContext, args: argparse.Namespace, root: Path, config: LMConfig | None = None) -> dict:
     """Train (dying and resuming if asked), then reload the checkpoint on other layouts; rank 0
-    adds the uninterrupted run (one process)."""
-    config = default_config()
+    adds the uninterrupted run (one process). `config`: the model (default_config())."""
+    config = config or default_config()
     shape = mesh_shape(ctx.world_size)
     layouts = ([tuple(int(v) for v in s.split(",")) for s in args.layouts.split(";")] if args.layouts
                else default_layouts(ctx.world_size))

@@ -1,6 +1,6 @@
 """Lab 12 (where the time goes): a torch.profiler trace of the composed run on every rank, parsed
 into a timeline of compute, each mesh dimension's collectives and the pipeline's idle time; tokens
-per second and model FLOPs utilisation against this machine's measured matmul peak.
+per second and model FLOPs utilisation against this machine's measured matmul rate.
 
 Run:  ./run.sh 12      (8 ranks; alone: NPROC=8 ./run.sh labs/lab12_trace.py). The traces are
                         written to runs/lab12/trace/rank<r>.json: open one in https://ui.perfetto.dev
@@ -9,15 +9,19 @@ Run:  ./run.sh 12      (8 ranks; alone: NPROC=8 ./run.sh labs/lab12_trace.py). T
 What the profiler records on the CPU: every operator, autograd's backward functions, FSDP2's own
 labels (`FSDP::all_gather`, `FSDP::all_gather_copy_out` (the wait), `FSDP::post_backward_reduce`)
 and gloo's work on its own threads. It does not say which process group a collective used, so
-while profiling this lab labels each collective itself (a TorchDispatchMode wraps every c10d and
-functional collective, and the wait for a functional one, in `record_function("comm <dim>
-<kind>")`) and the pipeline schedule's waits for its messages (`pipeline wait`). The timeline of a
-rank is its main thread: the labelled intervals, and compute in between.
+while profiling this lab labels each collective itself (`CommLabels`, the course's traffic meter,
+wraps every call it sees, DTensor's own included, and the wait for a functional one, in
+`record_function("comm <dim> <kind>")`) and the pipeline schedule's waits for its messages
+(`pipeline wait`). The timeline of a rank is its main thread: the labelled intervals, and compute
+in between.
 
 MFU (Chowdhery et al. 2022, PaLM, arXiv:2204.02311, appendix B): the model's training FLOPs per
 step (6 per weight per token plus attention, `model_flops_per_token`) over the step time, divided
-by the peak: here the FLOP/s of a large float32 matmul measured on every rank at once (the ranks
-share this machine's cores as they do in training), summed over the ranks.
+by the hardware's peak FLOP/s. A CPU has no datasheet peak to divide by, so here the divisor is a
+*measured matmul rate*: the FLOP/s of a large float32 matmul run on every rank at once (the ranks
+share this machine's cores as they do in training), summed over the ranks. It is an upper bound on
+what a matmul reaches here, not the machine's theoretical peak, so this "MFU" reads higher than
+MFU against a peak would.
 """
 from __future__ import annotations
 
@@ -30,51 +34,46 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import pick
 from helpers.dist import DistContext, distributed
+from helpers.memory import quiet_stderr
+from helpers.traffic import TrafficMeter
 from labs.lab12_model import LMConfig, corpus, default_config, model_flops_per_token, split
 from labs.lab12_parallelize import mesh_shape
-from labs.lab12_train import MeshTraffic, Trainer
+from labs.lab12_train import Trainer
 
 LAB_NPROC = 8
 TRACE_DIR = Path(__file__).resolve().parent.parent / "runs" / "lab12" / "trace"
 # FSDP2's own labels for its communication on the dp dimension
 FSDP_COMM = ("FSDP::all_gather", "FSDP::all_gather_copy_out", "FSDP::post_backward_reduce")
 PIPELINE_WAIT = "pipeline wait"
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")    # the matrix products' kernels
 
 
 # =============================================================================== labelling
-class CommLabels(TorchDispatchMode):
-    """Wraps every collective op, and the wait for a functional collective's result, in a
-    profiler label "comm <mesh dimension> <kind>"."""
+class CommLabels(TrafficMeter):
+    """The traffic meter (helpers/traffic.py: DTensor's collectives too), wrapping each call it
+    sees, and the wait for a functional collective's result, in a profiler label
+    "comm <mesh dimension> <kind>"."""
 
     def __init__(self, mesh):
-        super().__init__()
-        self.traffic = MeshTraffic(mesh)    # its group -> dimension table and kinds
+        super().__init__(mesh)
         self.pending: dict[int, str] = {}   # output storage of a functional collective -> dimension
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace not in ("c10d", "_c10d_functional"):
-            return func(*args, **kwargs)
-        op = func._schema.name.split("::")[-1]
-        if op == "wait_tensor":
+    def issue(self, func, args, kwargs, calls):
+        if calls:
+            with record_function(f"comm {calls[0].dim} {calls[0].kind}"):
+                out = func(*args, **kwargs)
+            if calls[0].functional and isinstance(out, torch.Tensor):
+                self.pending[_storage(out)] = calls[0].dim
+            return out
+        if func.namespace == "_c10d_functional" and func._schema.name.endswith("wait_tensor"):
             dim = self.pending.pop(_storage(args[0]), None)
-            if dim is None:
-                return func(*args, **kwargs)
-            with record_function(f"comm {dim} wait"):
-                return func(*args, **kwargs)
-        kind = MeshTraffic.KINDS.get(op)
-        if kind is None:
-            return func(*args, **kwargs)
-        dim = self.traffic._dimension(args)
-        with record_function(f"comm {dim} {kind}"):
-            out = func(*args, **kwargs)
-        if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
-            self.pending[_storage(out)] = dim
-        return out
+            if dim is not None:
+                with record_function(f"comm {dim} wait"):
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -110,13 +109,11 @@ def profile_steps(trainer: Trainer, data: torch.Tensor, first_step: int, steps: 
     this rank's parsed timeline."""
     from torch.profiler import ProfilerActivity, profile
 
-    from labs.lab07_memory import _quiet_stderr
-
     activities = [ProfilerActivity.CPU]
     if trainer.ctx.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities)
-    with _quiet_stderr():
+    with quiet_stderr():
         prof.start()
     try:
         with labelled_pipeline_waits(), CommLabels(trainer.mesh):
@@ -124,7 +121,7 @@ def profile_steps(trainer: Trainer, data: torch.Tensor, first_step: int, steps: 
                 with record_function(f"step {step}"):
                     trainer.train_step(data, step)
     finally:
-        with _quiet_stderr():
+        with quiet_stderr():
             prof.stop()
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
@@ -146,7 +143,8 @@ def category(name: str, dp_size: int = 2) -> str | None:
 def timeline(trace: dict, dp_size: int = 2) -> dict:
     """A rank's main thread from its chrome trace: the steps' span, and disjoint intervals
     [start ms, end ms, category] (the outermost labelled interval wins; the rest is compute),
-    with the seconds spent in each category."""
+    with the seconds spent in each category, and the seconds of its matmul kernels (`MATMULS`,
+    inside compute: the part of it that is FLOPs at a matmul's rate)."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     main = min((e for e in events if e["name"].startswith("step ")), key=lambda e: e["ts"])
     main_tid, pid = main["tid"], main["pid"]
@@ -169,7 +167,13 @@ def timeline(trace: dict, dp_size: int = 2) -> dict:
     totals: dict[str, float] = {}
     for start, stop, what in intervals:
         totals[what] = totals.get(what, 0.0) + (stop - start) / 1e6
-    return {"span_s": (end - begin) / 1e6, "steps": len(steps), "totals_s": totals,
+    matmul, reached = 0.0, begin              # matmul kernels inside the steps, each once
+    for e in sorted((e for e in mine if e["name"] in MATMULS), key=lambda e: e["ts"]):
+        start, stop = max(e["ts"], reached), min(e["ts"] + e["dur"], end)
+        if stop > start:
+            matmul += (stop - start) / 1e6
+            reached = stop
+    return {"span_s": (end - begin) / 1e6, "steps": len(steps), "totals_s": totals, "matmul_s": matmul,
             "intervals": [[(a - begin) / 1e3, (b - begin) / 1e3, what] for a, b, what in intervals]}
 
 
@@ -246,8 +250,8 @@ def main(argv=None) -> None:
         if ctx.rank == 0 and "unsolved" not in out:
             print(f"{' x '.join(map(str, out['shape']))} mesh: step {1e3 * out['step_s']:.0f} ms, "
                   f"{out['tokens_per_s']:.0f} tokens/s, {out['achieved_flops_per_s'] / 1e9:.2f} GFLOP/s of "
-                  f"model FLOPs; matmul peak {out['peak']['sum_flops_per_s'] / 1e9:.1f} GFLOP/s "
-                  f"(all ranks): MFU {100 * out['mfu']:.2f}%", flush=True)
+                  f"model FLOPs; measured matmul rate {out['peak']['sum_flops_per_s'] / 1e9:.1f} GFLOP/s "
+                  f"(all ranks): MFU against it {100 * out['mfu']:.2f}%", flush=True)
             line = out["timeline"]
             table([{"category": k, "seconds": v, "share": v / line["span_s"]} for k, v in
                    sorted(line["totals_s"].items())],

@@ -17,8 +17,9 @@ steps' losses and the parameters after them are compared (tolerances below).
 
 Measured on every rank: the peak of the materialisation against the whole model's bytes; the
 parameters, gradients and optimizer state it holds and the activations a micro-batch keeps for its
-backward; every collective and point-to-point message of one step, by mesh dimension (a
-TorchDispatchMode sees DTensor's, FSDP2's and the pipeline's alike); step times and tokens/s.
+backward, and the peak allocated during a step (labs/lab12_memory.py studies it); every collective
+and point-to-point message of one step, by mesh dimension (helpers.traffic.TrafficMeter: DTensor's,
+FSDP2's, the loss's, the clip's and the pipeline's alike); step times and tokens/s.
 The held-out loss every few steps; at the end a sharded checkpoint (labs/lab12_checkpoint.py),
 which one process reloads to sample text.
 """
@@ -28,19 +29,18 @@ import argparse
 import contextlib
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import pick
 from helpers.accounting import held_bytes
-from helpers.comm_count import RING_SHARE
 from helpers.dist import DistContext, distributed, synchronize
+from helpers.memory import SavedTensorBytes, peak_allocated
 from helpers.tensors import divide
+from helpers.traffic import TrafficMeter
 from labs.lab12_checkpoint import checkpoint_report, one_process_model, save
 from labs.lab12_model import (LMConfig, batch_at, build_model, canonical_name, corpus, default_config,
                               lm_loss, parameter_count, split, train_reference)
@@ -209,94 +209,15 @@ def materialise(model: nn.Module, device: torch.device) -> dict:
     return {"peak": peak, "held": held_bytes({"p": model.parameters()})["total"]}
 
 
-def peak_allocated(fn, device: torch.device) -> int:
-    """Run fn(); the highest number of bytes allocated meanwhile above the level before it."""
-    if device.type == "cuda":
-        synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    from torch.profiler import ProfilerActivity, profile
-
-    from labs.lab07_memory import _allocations, _quiet_stderr
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
-        prof.start()
-    try:
-        fn()
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-    level = peak = 0
-    for _, size in _allocations(prof):
-        level += size
-        peak = max(peak, level)
-    return peak
-
-
 # ================================================================ activations kept for backward
-class SavedActivations:
-    """Bytes autograd saves for the backward while active, parameters excluded (FSDP's gathered
-    weights, their views and casts are the parameters' memory, not activations); DTensors count
-    their local shard, every storage once."""
-
-    def __init__(self):
-        self.storages: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if _is_parameter(t):
-            return t
-        try:
-            address = local.untyped_storage().data_ptr()
-        except RuntimeError:    # a fake tensor: the pipeline infers its shapes with fake ones
-            return t
-        self.storages[address] = local.untyped_storage().nbytes()
-        return t
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
-_VIEWS_AND_CASTS = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
-                    "PermuteBackward0", "ExpandBackward0")
-
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    """A parameter, a view of one, or a cast or view of one made by autograd-tracked ops."""
-    while t._base is not None and not isinstance(t, nn.Parameter):
-        t = t._base
-    if isinstance(t, nn.Parameter) or (t.grad_fn is None and t.requires_grad):
-        return True
-    fn = t.grad_fn
-    while fn is not None and type(fn).__name__ in _VIEWS_AND_CASTS:
-        inputs = [f for f, _ in fn.next_functions if f is not None]
-        if len(inputs) != 1:
-            return False
-        fn = inputs[0]
-    return fn is not None and type(fn).__name__ == "AccumulateGrad"
-
-
 class MicrobatchActivations:
     """While active: what the first micro-batch's forward through this rank's stage keeps for its
-    backward (hooks around the stage's forward start and stop a SavedActivations). `result()` adds
-    how many micro-batches 1F1B keeps in flight on this stage, min(m, pp - stage): their product is
-    the activations this rank holds at the peak of a step."""
+    backward (hooks around the stage's forward start and stop a SavedTensorBytes that leaves the
+    parameters out). `result()` adds how many micro-batches 1F1B keeps in flight on this stage,
+    min(m, pp - stage): their product is the activations this rank holds at the peak of a step."""
 
-    def __init__(self, trainer: Trainer):
-        self.trainer, self.counter, self.calls, self.handles = trainer, SavedActivations(), 0, []
+    def __init__(self, trainer):
+        self.trainer, self.counter, self.calls, self.handles = trainer, SavedTensorBytes(skip_parameters=True), 0, []
 
     @staticmethod
     def _real(args) -> bool:      # the schedule first runs the stage on fake tensors (shapes)
@@ -330,106 +251,6 @@ class MicrobatchActivations:
                 "peak": self.counter.bytes * in_flight, "microbatch_rows": t.local_batch // t.microbatches}
 
 
-# ====================================================================== collectives by dimension
-class MeshTraffic(TorchDispatchMode):
-    """Every collective and point-to-point message this rank issues while active, by the mesh
-    dimension of its process group. It sees torch's collective ops as they are dispatched
-    (`c10d::*`: FSDP2, the pipeline's send/recv, torch.distributed calls; `_c10d_functional::*`:
-    DTensor's redistributions), which the Python-level counter of helpers.comm_count misses for
-    DTensor. Sizes follow helpers.comm_count (nccl-tests' convention); sent bytes assume rings."""
-
-    KINDS = {"all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather",
-             "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-             "all_gather_into_tensor_coalesced": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-             "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-             "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-             "all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
-             "allreduce_coalesced_": "all_reduce", "broadcast": "broadcast", "broadcast_": "broadcast",
-             "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all",
-             "send": "send", "recv_": "recv", "recv_any_source_": "recv", "barrier": "barrier"}
-
-    def __init__(self, mesh):
-        super().__init__()
-        # A dimension is told by its ranks, not by the group object: DTensor caches what it
-        # worked out for a mesh by the mesh's layout, so after an earlier mesh of the same layout
-        # it may use that mesh's group of the same ranks.
-        self.ranks = {}
-        for d in reversed(mesh.mesh_dim_names):          # a size-1 dimension: the first name wins
-            self.ranks[_ranks(mesh.get_group(d))] = d
-        self.ranks.setdefault(_ranks(dist.group.WORLD), "world")
-        self.names: dict[str, str] = {}                   # group name -> dimension, as met
-        self.sizes = {d: mesh[d].size() for d in mesh.mesh_dim_names}
-        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self.sent: dict[str, float] = defaultdict(float)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace in ("c10d", "_c10d_functional"):
-            self._record(func, args)
-        return func(*args, **kwargs)
-
-    def _record(self, func, args) -> None:
-        op = func._schema.name.split("::")[-1]
-        kind = self.KINDS.get(op)
-        if kind is None:
-            return
-        dim, size = self._dimension(args), 0
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        lists = [t for a in args if isinstance(a, (list, tuple)) for t in _flat(a)]
-        if op in ("all_gather_into_tensor",):
-            size = tensors[0].nbytes * args[1]                      # (input, group_size, name)
-        elif op in ("_allgather_base_", "_reduce_scatter_base_"):
-            size = tensors[0].nbytes if op == "_allgather_base_" else tensors[1].nbytes
-        elif tensors:
-            size = tensors[0].nbytes
-        elif lists:
-            size = sum(t.nbytes for t in lists[: max(1, len(lists) // 2)]) if kind == "all_gather" \
-                else lists[0].nbytes
-        self.calls[dim][kind] += 1
-        self.bytes[dim][kind] += size
-        n = self.sizes.get(dim, 1)
-        self.sent[dim] += RING_SHARE[kind](n) * size if kind in RING_SHARE else (size if kind == "send" else 0)
-
-    def _dimension(self, args) -> str:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        for a in args:
-            if isinstance(a, str):             # a functional collective's group name (or "sum")
-                if a not in self.names:
-                    try:
-                        self.names[a] = self.ranks.get(_ranks(_resolve_process_group(a)), "other")
-                    except (RuntimeError, ValueError, KeyError):
-                        self.names[a] = None
-                if self.names[a] is not None:
-                    return self.names[a]
-                continue
-            if isinstance(a, torch.ScriptObject):
-                try:
-                    group = dist.ProcessGroup.unbox(a)
-                except RuntimeError:           # another script object (a ReduceOp)
-                    continue
-                return self.ranks.get(_ranks(group), "other")
-        return "other"
-
-    def summary(self) -> dict:
-        return {dim: {"calls": dict(self.calls[dim]), "bytes": dict(self.bytes[dim]),
-                      "sent_bytes": self.sent[dim]} for dim in self.calls}
-
-
-def _ranks(group) -> tuple[int, ...]:
-    return tuple(sorted(dist.get_process_group_ranks(group)))
-
-
-def _flat(items):
-    for item in items:
-        if isinstance(item, (list, tuple)):
-            yield from _flat(item)
-        elif isinstance(item, torch.Tensor):
-            yield item
-
-
 # ======================================================================================== the run
 def run(ctx: DistContext, *, steps: int | None = None, check_steps: int | None = None,
         eval_every: int | None = None, shape=None, bf16: bool = False, activation_checkpointing: bool = False,
@@ -461,15 +282,23 @@ def run(ctx: DistContext, *, steps: int | None = None, check_steps: int | None =
     for step in range(steps):
         if eval_every and step % eval_every == 0:
             curve.append([step, trainer.eval_loss(held_out, eval_batches)])
-        # measured on the way: the first step's activations, the last step's traffic (neither
-        # step is timed: the hooks and the dispatch mode cost time themselves)
+        # measured on the way: the first step's activations, the second's
+        # peak during the step and what it holds after, the last step's traffic (none of them is
+        # timed: the hooks, the profiler and the dispatch mode cost time themselves)
+        held_step = step == min(1, steps - 1)
         probe = MicrobatchActivations(trainer) if step == 0 else contextlib.nullcontext()
-        traffic = MeshTraffic(trainer.mesh) if step == steps - 1 else contextlib.nullcontext()
+        traffic = TrafficMeter(trainer.mesh) if step == steps - 1 else contextlib.nullcontext()
         ctx.barrier()
         start = time.perf_counter()
         x, y = batch_at(train_data, step, config.batch, config.seq)
         with probe, traffic:
-            local_loss, norm = trainer.step(x, y, keep_held=step == min(1, steps - 1))
+            result: list = []
+            one_step = lambda: result.append(trainer.step(x, y, keep_held=held_step))  # noqa: E731
+            if held_step:
+                out["step_peak"] = peak_allocated(one_step, ctx.device)
+            else:
+                one_step()
+            local_loss, norm = result[0]
         synchronize(ctx.device)
         seconds.append(time.perf_counter() - start)
         loss, norm = trainer.global_loss(local_loss), norm.item()   # shared for the report
@@ -488,7 +317,7 @@ def run(ctx: DistContext, *, steps: int | None = None, check_steps: int | None =
                held=trainer.held)
     ref = reference["losses"]
     out["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
-    timed = seconds[1:-1] or seconds
+    timed = [t for i, t in enumerate(seconds) if i not in (0, 1, steps - 1)] or seconds
     out["step_s"] = statistics.median(timed)
     out["tokens_per_s"] = config.batch * config.seq / out["step_s"]
     if ckpt_dir is not None:

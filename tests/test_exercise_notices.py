@@ -1,4 +1,4 @@
-"""helpers/notice.py's notices: one per exercise per notebook cell, one "[not done yet]" line per
+"""helpers/notice.py's notices: one per exercise per notebook cell, one "[notice]" line per
 exercise per process (a lab's rank, a terminal run), and the records that `attempt` returns."""
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_notebook_shows_one_notice_per_exercise_per_cell(student, monkeypatch):
     for name in ("a", "a", "b", "a", "b"):
         with ex.notice_if_unsolved():
             raises(name)()
-    assert [s.split(" is not done yet")[0] for s in shown] == ["[not done yet] Exercise a", "[not done yet] Exercise b"]
+    assert [s.split(" is not done yet")[0] for s in shown] == ["[notice] Exercise a", "[notice] Exercise b"]
     cell["count"] = 8
     with ex.notice_if_unsolved():
         ex.solved({"unsolved": stub("a")})

@@ -284,6 +284,113 @@ def test_check_shows_where_in_the_lab_a_rank_raised(tmp_path):
             ) in log, log[-3000:]
 
 
+CAUGHT_TEST = '''
+import pytest
+
+from tests.harness import launch_ranks
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return launch_ranks(__file__, "cases", nproc=2, timeout=120, env={"DIST_TIMEOUT": "5"})
+
+
+@pytest.mark.exercise("rank_sum")
+def test_rank_sum_on_two_ranks(ranks):
+    for rank in range(2):
+        assert "error" not in ranks[rank], f"rank {rank}: rank_sum raised {ranks[rank]['error']}"
+        assert ranks[rank]["total"] == 3.0, "1 + 2 on every rank"
+
+
+if __name__ == "__main__":
+    import torch
+
+    from helpers.dist import distributed
+    from labs.lab91_fixture import rank_sum
+
+    with distributed() as ctx:
+        report = {}
+        try:  # as many course tests do: keep the message and go on
+            report["total"] = rank_sum(torch.tensor([ctx.rank + 1.0])).item()
+        except Exception as err:
+            report["error"] = f"{type(err).__name__}: {err}"
+        ctx.report(**report)
+'''
+RANK_ONE_ONLY = f'''
+import torch.distributed as dist
+
+
+def rank_sum(value, group=None):
+    {BEGIN}
+    if dist.get_rank() == 1:
+        [][0]  # BUG: rank 1 only
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
+    {END}
+'''
+EVERY_RANK = f'''
+import torch.distributed as dist
+
+
+def rank_sum(value, group=None):
+    {BEGIN}
+    len(value.item())  # BUG: every rank
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
+    {END}
+'''
+CAUGHT_IN_PROCESS = '''
+import pytest
+
+from labs.lab90_fixture import add_vectors
+
+
+@pytest.mark.exercise("add_vectors")
+def test_add_vectors_caught():
+    try:
+        add_vectors([1], [2])
+        error = ""
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    assert not error, f"add_vectors raised {error}"
+'''
+
+
+@pytest.mark.parametrize("bug", ["rank 1 only", "every rank", "in the test process"])
+def test_check_locates_an_exception_the_test_caught(tmp_path, bug):
+    """The course's test workers catch an exercise's exception, keep its message and go on; the
+    ranks fall out of step, or the test fails with the message alone. check's line still names
+    the file and line where the exercise raised and the rank that raised first (not rank 0's
+    gloo timeout when only rank 1 raised), with no change to the test file (homework.watch)."""
+    lab = "90" if bug == "in the test process" else "91"
+    root = make_course(tmp_path, labs=(lab,))
+    for name in ("conftest.py", "harness.py"):
+        shutil.copy(REPO / "tests" / name, root / "tests" / name)
+    test = root / "tests" / "public" / f"test_lab{lab}_fixture.py"
+    test.write_text(CAUGHT_IN_PROCESS if lab == "90" else CAUGHT_TEST)
+    source = {"rank 1 only": RANK_ONE_ONLY, "every rank": EVERY_RANK}.get(bug)
+    path = root / "labs" / f"lab{lab}_fixture.py"
+    if source is None:
+        text = path.read_text()
+        source = text.replace("    summed = [", "    [][0]  # BUG: in the test process\n    summed = [")
+    path.write_text(source)
+    line = 1 + next(i for i, text in enumerate(source.splitlines()) if "BUG" in text)
+    lines: list[str] = []
+    results, status = run_check(root, lab, timeout=120, log=lines.append)
+    assert status == 1 and [r.status for r in results] == ["failed"], results
+    shown = next(text for text in lines if text.startswith(results[0].exercise + " "))
+    code = source.splitlines()[line - 1].strip()
+    where = f"labs/lab{lab}_fixture.py:{line} `{code}`"
+    assert where in shown, f"check's line must say where the exercise raised: {shown}"
+    if bug == "rank 1 only":
+        assert "rank 1 raised IndexError: list index out of range" in shown, shown
+        assert "rank 0" not in shown.split(where)[0] or "there first" in shown, shown
+    elif bug == "every rank":
+        assert "TypeError: object of type 'float' has no len()" in shown and "raised it first" in shown, shown
+    else:
+        assert shown.endswith(f"add_vectors raised IndexError: list index out of range at {where}"), shown
+
+
 CRASHING = '''
 import os
 
@@ -519,3 +626,398 @@ def test_check_reports_a_lab_that_does_not_import(tmp_path):
     assert status == 1
     assert [r.status for r in results] == ["failed"]
     assert "could not be loaded" in results[0].message and "SyntaxError" in results[0].message
+
+
+FAKE_TOOL = """#!{bash}
+echo "$*" >> "$FAKE_LOG.{name}"
+{body}
+exit 0
+"""
+
+
+@pytest.mark.parametrize("case", ["installs", "not-root", "unsafe"])
+def test_run_sh_grade_sets_up_bubblewrap_as_test_does(tmp_path, case):
+    """`./run.sh grade` follows `./run.sh test`'s rule (tests/test_foundation.py): bubblewrap is
+    installed quietly where it can be (root, apt-get), else grade stops before anything runs with
+    one line saying what to run; `--unsafe` (no sandbox) needs none. Fakes on a PATH that hides
+    the real tools."""
+    bash = shutil.which("bash")
+    root = tmp_path / "course"
+    (root / "labs").mkdir(parents=True)
+    shutil.copy(REPO / "run.sh", root / "run.sh")
+    shutil.copy(REPO / "requirements.txt", root / "requirements.txt")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "cat", "cksum", "mktemp", "tail", "rm", "chmod"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    (bin_dir / "id").write_text(f"#!{bash}\necho {'1000' if case == 'not-root' else '0'}\n")
+    (bin_dir / "apt-get").write_text(FAKE_TOOL.format(bash=bash, name="apt", body=(
+        'if [[ "$1" == install ]]; then printf "#!%s\\nexit 0\\n" "$BASH" > "$FAKE_BIN/bwrap"; '
+        'chmod +x "$FAKE_BIN/bwrap"; fi')))
+    python = tmp_path / "python"
+    python.write_text(FAKE_TOOL.format(bash=bash, name="python", body=""))
+    for path in [python, *bin_dir.iterdir()]:
+        path.chmod(0o755)
+    log = tmp_path / "log"
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "COURSE_PYTHON": str(python),
+           "FAKE_LOG": str(log), "FAKE_BIN": str(bin_dir)}
+    args = ["grade", "a.tar.gz", "--out", "grades"] + (["--unsafe"] if case == "unsafe" else [])
+    proc = subprocess.run([bash, str(root / "run.sh"), *args], cwd=root, capture_output=True,
+                          text=True, env=env, timeout=60)
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    apt = Path(f"{log}.apt").read_text().splitlines() if Path(f"{log}.apt").exists() else []
+    graded = "-m homework grade" in (Path(f"{log}.python").read_text()
+                                     if Path(f"{log}.python").exists() else "")
+    if case == "installs":
+        assert (proc.returncode, graded, apt) == (0, True, ["install -y -q bubblewrap"]), said
+        assert said == ["run.sh: installing bubblewrap with apt-get (grading sandboxes each "
+                        "submission with it)"], said
+    elif case == "not-root":
+        assert proc.returncode == 2 and not graded and apt == [], said
+        assert len(said) == 1 and "grading needs bubblewrap" in said[0] and \
+            "sudo apt-get install bubblewrap" in said[0] and "./run.sh grade again" in said[0], said
+    else:
+        assert (proc.returncode, graded, apt, said) == (0, True, [], []), said
+
+
+# ---------------------------------------------------------------------------- the splice
+def _fixture_lab() -> tuple[str, str]:
+    """(the course's student-edition lab 90, the instructor's solution without marker lines)."""
+    from homework.solutions import stub_python
+
+    source = (REPO / "tests" / "homework_fixtures" / "lab90_fixture.py").read_text()
+    solved = "\n".join(l for l in source.splitlines() if l.strip() not in (BEGIN, END)) + "\n"
+    return stub_python(source, "labs/lab90_fixture.py", "90_fixture.ipynb").text, solved
+
+
+def _swap(text: str, old: str, new: str) -> str:
+    assert old in text, old
+    return text.replace(old, new, 1)
+
+
+SUM_LINE = "    summed = [float(x) + float(y) for x, y in zip(a, b)]  # fixture solution, add_vectors\n"
+
+
+@pytest.mark.parametrize("case", [
+    "solved", "helpers", "instrument", "global", "import-in-block", "shadowing-helper", "syntax-error",
+    "missing-exercise", "stub-comment-kept", "line-above-the-block", "module-code", "signature",
+    "class-helper", "runtime-patch", "markers"])
+def test_splice_runs_only_the_exercises_and_the_students_own_helpers(case):
+    """What a careless or hostile submission does to a lab file, and what grading and check run:
+    the course's copy, the student's code in each exercise's place, the helpers they added under
+    new names; everything else reported, never run (homework.splice)."""
+    from homework.splice import splice
+
+    course, solved = _fixture_lab()
+    submitted = {
+        "solved": solved,
+        "helpers": _swap(solved, SUM_LINE, "    summed = [_add(x, y) for x, y in zip(a, b)]\n")
+        + "\n\nimport math\n\nEPSILON = 0.0\n\n\ndef _add(x, y):\n    return math.fsum([float(x), float(y), EPSILON])\n",
+        "instrument": _swap(solved, "    return x is y\n", "    return False\n"),
+        "global": _swap(solved, SUM_LINE, "    global same_list\n    same_list = lambda x, y: False\n" + SUM_LINE),
+        "import-in-block": _swap(solved, SUM_LINE, "    import math\n    summed = [math.fsum([x, y]) for x, y in zip(a, b)]\n"),
+        "shadowing-helper": solved + "\n\ndef same_list(x, y):\n    return False\n",
+        "syntax-error": solved + "\ndef broken(:\n",
+        "missing-exercise": _swap(solved, "def add_vectors(", "def add_vectors_renamed("),
+        "stub-comment-kept": _swap(solved, SUM_LINE, "    # Exercise: write your code here, in place of the raise below.\n" + SUM_LINE),
+        "line-above-the-block": _swap(solved, "    if len(a) != len(b):\n", "    print('debug')\n    if len(a) != len(b):\n"),
+        "module-code": solved + "\nRunningMean.push = lambda self, value: 0.0\nprint('imported')\n",
+        "signature": _swap(solved, "def add_vectors(a: list[float], b: list[float])", "def add_vectors(a, b=(1.0,))"),
+        "class-helper": _swap(_swap(solved, "        self.count += 1\n", "        self._bump()\n"),
+                              "    def push(self,", "    def _bump(self):\n        self.count += 1\n\n    def push(self,"),
+        "runtime-patch": _swap(solved, SUM_LINE, "    import labs.lab90_fixture as lab\n    lab.same_list = lambda x, y: False\n" + SUM_LINE),
+        "markers": (REPO / "tests" / "homework_fixtures" / "lab90_fixture.py").read_text(),
+    }[case]
+    done = splice("labs/lab90_fixture.py", course, submitted)
+    ast.parse(done.text)
+    namespace: dict = {}
+    exec(compile(done.text, "labs/lab90_fixture.py", "exec"), namespace)
+    add, mean, same = namespace["add_vectors"], namespace["RunningMean"](), namespace["same_list"]
+    first = [1, 2]
+    assert same(first, first), "the course's instrument ran"
+    notes = "\n".join(done.notes())
+    ours = {"yours"}
+    if case in ("solved", "helpers", "import-in-block", "stub-comment-kept", "class-helper", "markers",
+                "runtime-patch"):
+        assert set(done.exercises.values()) == ours and not notes, (done.exercises, notes)
+        assert case == "runtime-patch" or (add(first, [3, 4]) == [4.0, 6.0] and mean.push(2) == 2.0)
+    if case == "solved":
+        assert done.text == solved, "a file that changed only its exercises is run as it is"
+    elif case == "helpers":
+        assert done.helpers == ["math", "EPSILON", "_add"], done.helpers
+    elif case == "instrument":
+        assert "same_list (changed)" in notes and done.exercises["add_vectors"] == "yours"
+    elif case == "global":
+        assert done.exercises["add_vectors"].startswith("refused: it rebinds the course's `same_list` with `global`")
+        with pytest.raises(RuntimeError, match="grading did not run your add_vectors"):
+            add(first, [3, 4])
+    elif case == "shadowing-helper":
+        assert "a second definition of the course's same_list" in notes, notes
+    elif case == "syntax-error":
+        assert done.text == course and "does not parse (invalid syntax, line" in notes, notes
+        with pytest.raises(NotImplementedError):
+            add(first, [3, 4])
+    elif case == "missing-exercise":
+        assert done.exercises["add_vectors"].startswith("missing: not in the submitted file"), notes
+        assert "add_vectors_renamed" in done.helpers
+    elif case == "line-above-the-block":
+        assert "your line 13 `print('debug')`, between the course's statements around the " \
+            "exercise's code" in notes, notes
+        assert "print('debug')" not in done.text
+    elif case == "module-code":
+        assert "`RunningMean.push = lambda self, value: 0.0`: module-level code that is not a definition" in notes
+        assert "`print('imported')`" in notes and mean.push(4) == 4.0
+    elif case == "signature":
+        assert "the signature or decorators of add_vectors (yours differ)" in notes, notes
+    elif case == "class-helper":
+        assert done.helpers == ["RunningMean._bump"]
+    elif case == "runtime-patch":  # run (the splice cannot stop it) and flagged for review
+        assert len(done.review) == 1 and "assigns `lab.same_list`" in done.review[0], done.review
+
+
+TWO_BLOCKS = f'''
+def scaled_sum(values, scale):
+    """Two blocks in one exercise, the course's code between them."""
+    if not values:
+        raise ValueError("no values")
+    {BEGIN}
+    total = sum(values)
+    {END}
+    checked = float(total)
+    {BEGIN}
+    return checked * scale
+    {END}
+'''
+
+
+def test_splice_puts_each_of_several_blocks_of_one_exercise_in_place():
+    """An exercise of two blocks: each gets the submitted code between the course's statements
+    around it; a submission without the course's statement between them gets neither guessed."""
+    from homework.solutions import stub_python
+    from homework.splice import splice
+
+    course = stub_python(TWO_BLOCKS, "labs/lab95_two.py").text
+    mine = TWO_BLOCKS.replace(f"    {BEGIN}\n", "").replace(f"    {END}\n", "")
+    mine = mine.replace("    total = sum(values)\n", "    total = 0\n    for v in values:\n        total += v\n")
+    done = splice("labs/lab95_two.py", course, mine)
+    assert done.text == mine and done.exercises == {"scaled_sum": "yours"}, done.text
+    namespace: dict = {}
+    exec(done.text, namespace)
+    assert namespace["scaled_sum"]([1, 2], 3) == 9.0
+    merged = splice("labs/lab95_two.py", course, mine.replace("    checked = float(total)\n", ""))
+    assert merged.exercises["scaled_sum"].startswith("refused: the course's code between its blocks")
+    assert "in scaled_sum: the course's `checked = float(total)` (yours differs or is missing" \
+        in "\n".join(merged.notes())
+
+
+def test_splice_folder_reports_renamed_missing_and_foreign_files(tmp_path):
+    """A lab renamed or left out is graded as not done, a file the course lacks never runs, a lab
+    without an exercise is the course's copy: each said in one line."""
+    from homework.splice import splice_folder
+
+    course, solved = _fixture_lab()
+    (tmp_path / "course").mkdir()
+    (tmp_path / "course" / "lab90_fixture.py").write_text(course)
+    (tmp_path / "course" / "lab89_helpers.py").write_text("def helper():\n    return 1\n")
+    submitted = {"labs/lab90_fixture_mine.py": solved.encode(),
+                 "labs/lab89_helpers.py": b"def helper():\n    return 2\n"}
+    splices, notes = splice_folder(tmp_path / "course", submitted, tmp_path / "out")
+    assert notes == [
+        "labs/lab89_helpers.py: a file without an exercise: the course's copy ran, not yours",
+        "labs/lab90_fixture.py: exercise add_vectors missing: the file is not in the submission "
+        "(graded as not done)",
+        "labs/lab90_fixture.py: exercise RunningMean.push missing: the file is not in the submission "
+        "(graded as not done)",
+        "labs/lab90_fixture_mine.py: not a file of the course: not used"], notes
+    assert (tmp_path / "out" / "lab89_helpers.py").read_text().endswith("return 1\n")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["lab89_helpers.py", "lab90_fixture.py"]
+
+
+def test_check_runs_what_grading_runs_and_says_where_in_the_students_file(student, tmp_path):
+    """In the student edition, check runs the course's own copy of each lab with the exercises
+    spliced in, as grading does: an instrument edited to hide a mistake changes nothing (the
+    test fails, and check lists what did not run), a helper of the student's own works, and a
+    location in a message is the line of the student's file, also when lines of it were dropped."""
+    out, _ = student
+    work = tmp_path / "edition"
+    shutil.copytree(out, work)
+    course, solved = _fixture_lab()
+    lab = work / "labs" / "lab90_fixture.py"
+    lab.write_text(_swap(_swap(solved, SUM_LINE + "    return summed\n",
+                               "    a[:] = [float(x) + float(y) for x, y in zip(a, b)]\n    return a\n"),
+                         "    return x is y\n", "    return False\n"))
+    lines: list[str] = []
+    results, status = run_check(work, "90", timeout=60, log=lines.append)
+    by_name = {r.exercise: r for r in results}
+    assert status == 1 and by_name["add_vectors"].status == "failed", results
+    assert "add_vectors returned its first input, changed: return a new list" in by_name["add_vectors"].message
+    assert ("  labs/lab90_fixture.py: not run (the course's own code ran instead): same_list (changed)"
+            in lines), lines
+    assert not list((work / "runs" / "homework").glob("tree-*")), "check's copy of the course is removed"
+    # a helper of the student's own; a dropped line above the exercise; a bug located in their file
+    mine = _swap(solved, SUM_LINE, "    summed = [_add(x, y) for x, y in zip(a, b)]\n")
+    mine = _swap(mine, "def add_vectors(", "print('dropped: module-level code')\n\n\ndef add_vectors(")
+    mine = _swap(mine, "        self.count += 1\n", "        self.count += [][0]  # a bug\n")
+    lab.write_text(mine + "\n\ndef _add(x, y):\n    return float(x) + float(y)\n")
+    bug = 1 + mine.splitlines().index("        self.count += [][0]  # a bug")
+    results, status = run_check(work, "90", timeout=60, log=lambda *a: None)
+    by_name = {r.exercise: r for r in results}
+    assert by_name["add_vectors"].status == "passed", by_name["add_vectors"]
+    assert by_name["RunningMean.push"].message.endswith(
+        f"at labs/lab90_fixture.py:{bug} `self.count += [][0]  # a bug`"), by_name["RunningMean.push"]
+
+
+ROOT_CAUSE = """E1128 torch/distributed/elastic/multiprocessing/api.py:836] failed (exitcode: 1)
+============================================================
+run_script_path FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_14:25:49
+  host      : localhost
+  rank      : 2 (local_rank: 2)
+  exitcode  : 1 (pid: 24516)
+  error_file: /tmp/course-launch-x/error.json
+  traceback : Traceback (most recent call last):
+    File "/course/helpers/dist.py", line 105, in barrier
+      dist.barrier()
+  RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:52652
+  
+============================================================
+"""
+
+
+def test_a_failed_launch_names_the_exception_raised_first():
+    """helpers.launch's first cause: the earliest of the ranks' error records and of what their
+    exercises raised (homework.watch), whatever caught it; else torchrun's "Root Cause", gloo's
+    source position dropped; else nothing."""
+    from helpers.launch.torchrun import RankException, _first_cause, _raised
+
+    timeout = (30.0, 0, 'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
+                        "RuntimeError: [/__w/gloo/pair.cc:1] Timed out waiting 30000ms\n")
+    index = RankException(1.0, 1, "ring_attention", 'Traceback (most recent call last):\n'
+                          '  File "labs/lab11_ring_attention.py", line 290, in ring_attention\n'
+                          "    [][0]\nIndexError: list index out of range\n")
+    assert _first_cause([timeout], [index], "")[:2] == (1, index.text)
+    assert _first_cause([timeout], [], "")[0] == 0
+    rank, text, exercise, summary = _first_cause([], [], ROOT_CAUSE)
+    assert (rank, exercise) == (2, "")
+    assert _raised(text) == summary == "RuntimeError: Connection closed by peer [127.0.0.1]:52652"
+    assert _first_cause([], [], "no summary here") is None
+
+
+WATCHED = f'''
+class Region:
+    @staticmethod
+    def backward(ctx, grad):
+        """An exercise in a static method (torch.autograd.Function's backward)."""
+        {BEGIN}
+        return grad[ctx]
+        {END}
+
+    def step(self, value):
+        """An exercise in a method."""
+        {BEGIN}
+        return 1 / value
+        {END}
+
+
+def plain(x):
+    """Not an exercise."""
+    return x[5]
+'''
+
+
+def test_watch_records_what_leaves_an_exercise_and_nothing_else(tmp_path):
+    """homework.watch wraps a lab's exercises (static methods and methods too), records an
+    exception as it leaves one (type, message, file and line in labs/, even when the caller
+    catches it), re-raises it unchanged, and leaves other functions alone."""
+    import importlib.util
+
+    from homework import watch
+
+    (tmp_path / "labs").mkdir()
+    path = tmp_path / "labs" / "lab95_watched.py"
+    path.write_text(WATCHED)
+    spec = importlib.util.spec_from_file_location("lab95_watched", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert sorted(watch.watch_module(module)) == ["Region.backward", "Region.step"]
+    assert isinstance(module.Region.__dict__["backward"], staticmethod)
+    since = __import__("time").time()
+    with pytest.raises(IndexError):
+        module.Region.backward(3, [1])
+    try:
+        module.Region().step(0)
+    except ZeroDivisionError:
+        pass  # caught, as the tests' workers do: recorded all the same
+    with pytest.raises(IndexError):
+        module.plain([])
+    records = watch.recorded(since)
+    assert [(r["exercise"], r["line"], r["where"]) for r in records] == [
+        ("Region.backward", "IndexError: list index out of range", "labs/lab95_watched.py:7 `return grad[ctx]`"),
+        ("Region.step", "ZeroDivisionError: division by zero", "labs/lab95_watched.py:13 `return 1 / value`")]
+    assert module.Region.step.__doc__ == "An exercise in a method.", "functools.wraps keeps what inspect reads"
+
+
+def test_a_test_that_shows_a_later_ranks_gloo_error_is_located_at_the_first_exception(tmp_path):
+    """The experts case: rank 1's forward raised IndexError, the test's worker caught it and went
+    on, rank 0's forward then died of "Connection closed by peer" (gloo's source position in front
+    of the message) and the test shows that. The location added is rank 1's, where it raised."""
+    from types import SimpleNamespace
+
+    from tests import harness
+
+    script = (tmp_path / "test_lab11_experts.py").resolve()
+    index = {"time": 1.0, "rank": 1, "exercise": "ExpertParallelMoE.forward",
+             "line": "IndexError: list index out of range",
+             "where": "labs/lab11_experts.py:268 `routed[0][9]`", "traceback": "...\nIndexError: x"}
+    closed = {"time": 2.0, "rank": 0, "exercise": "ExpertParallelMoE.forward",
+              "line": "RuntimeError: Connection closed by peer [127.0.0.1]:14771.",
+              "where": "labs/lab11_experts.py:280 `dist.all_to_all_single(...)`", "traceback": "..."}
+    harness._caught[script] = [[closed, index]]
+    report = SimpleNamespace(failed=True, user_properties=[], sections=[], longreprtext=(
+        "Failed: group rank 0 (top-1): ExpertParallelMoE.forward raised RuntimeError: "
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+        "by peer [127.0.0.1]:14771. This is typically caused by a remote worker crashing."))
+    item = SimpleNamespace(path=script)
+    harness.locate_failure(item, SimpleNamespace(excinfo=object(), start=0.0), report)
+    assert report.user_properties == [("homework_where", "labs/lab11_experts.py:268 `routed[0][9]` "
+                                       "(rank 1 raised IndexError: list index out of range there first)")]
+    assert report.sections[0][1].startswith("rank 1 raised IndexError: list index out of range first, "
+                                            "in ExpertParallelMoE.forward, at labs/lab11_experts.py:268")
+    del harness._caught[script]
+
+
+def test_a_launch_stopped_by_the_tests_timeout_keeps_what_its_ranks_raised(tmp_path, monkeypatch):
+    """pytest-timeout stops a test whose launch hangs (rank 0 waits for rank 1, whose exercise
+    raised and whose test caught it): the launch hands the ranks' records to the interrupting
+    exception, and the timed-out setup, and the tests pytest gives the same error, get rank 1's
+    location. (The launch is faked: a real hang takes as long as the timeout.)"""
+    import json
+    from types import SimpleNamespace
+
+    from helpers.launch import torchrun
+    from tests import harness
+
+    record = {"time": 1.0, "rank": 1, "exercise": "rank_sum", "line": "IndexError: list index out of range",
+              "where": "labs/lab91_fixture.py:8 `[][0]`", "traceback": "...IndexError..."}
+
+    def stopped(cmd, env, timeout, stream, warm_start=False):
+        (Path(env["COURSE_RESULTS_DIR"]) / "caught.rank1.0.json").write_text(json.dumps(record))
+        raise RuntimeError("Timeout (>20.0s) from pytest-timeout.")  # as pytest-timeout's Failed
+
+    monkeypatch.setattr(torchrun, "_run_streaming", stopped)
+    script = (tmp_path / "test_lab91_fixture.py").resolve()
+    script.write_text("")
+    with pytest.raises(RuntimeError) as stopped_by:
+        harness.launch_ranks(script, "cases", nproc=2)
+    assert [c.rank for c in stopped_by.value.course_caught] == [1]
+    for test in range(2):  # the test whose setup launched, and the next one of the module
+        report = SimpleNamespace(failed=True, user_properties=[], sections=[],
+                                 longreprtext="Failed: Timeout (>20.0s) from pytest-timeout.")
+        harness.locate_failure(SimpleNamespace(path=script), SimpleNamespace(excinfo=object(), start=5.0 + test),
+                               report)
+        assert report.user_properties == [("homework_where", "labs/lab91_fixture.py:8 `[][0]` (rank 1 "
+                                           "raised IndexError: list index out of range there first)")]
+    del harness._caught[script]

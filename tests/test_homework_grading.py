@@ -6,7 +6,9 @@ Each attack is a small payload in a real submission archive of the synthetic cou
 with unmodified submissions before and after it; each test asserts the attack's expected outcome:
 the score is what the unmodified code gets, other students are unaffected, nothing is written
 outside the sandbox's scratch, no process is left, the run completes, feedback holds no hidden
-source, and the attempt is flagged. These tests need bubblewrap (`./run.sh test` installs it
+source, and the attempt is flagged. Grading runs only a submission's exercises and the helpers it
+adds (homework.splice), so each payload runs as a student's code still can: from the body of a
+helper class, at import (an exec in it, which the splice flags for review), or inside an exercise. These tests need bubblewrap (`./run.sh test` installs it
 where it can): without it they fail with that message; they never skip. Instructor only: listed
 in .instructor-only.
 """
@@ -249,9 +251,15 @@ class Run:
         solved = {"lab90_fixture.py": self.solution}
         archives = {
             "ada-1": (solved, "ada"),
-            "forge_in_memory": ({**stub, "__init__.py": FORGE_IN_MEMORY.encode()}, "forge_in_memory"),
-            "forge_stream": ({**stub, "__init__.py": FORGE_STREAM.encode()}, "forge_stream"),
-            "forge_complete": ({**stub, "__init__.py": FORGE_COMPLETE.encode()}, "forge_complete"),
+            "forge_in_memory": (_with(stub, FORGE_IN_MEMORY), "forge_in_memory"),
+            "forge_stream": (_with(stub, FORGE_STREAM), "forge_stream"),
+            "forge_complete": (_with(stub, FORGE_COMPLETE), "forge_complete"),
+            "instrument": (_edited(solved, RETURNS_ITS_INPUT, BLIND_INSTRUMENT), "instrument"),
+            "own_helper": (_edited({"lab90_fixture.py": solved["lab90_fixture.py"] + OWN_HELPER_CODE.encode()},
+                                   OWN_HELPER), "own_helper"),
+            "outside": (_plain(solved, "def add_vectors(a, b):\n    return []\n\n"
+                                       "RunningMean.push = lambda self, value: 0.0\n"
+                                       "same_list = lambda x, y: False\n"), "outside"),
             "tamper": (_with(stub, TAMPER.format(targets=targets)), "tamper"),
             "leak": (_with(stub, LEAK), "leak"),
             "detach": (_with(stub, DETACH.format(csv=str(self.out / "grades.csv"), tag=TAG)), "detach"),
@@ -297,7 +305,35 @@ class Run:
 
 
 def _with(labs: dict[str, bytes], payload: str) -> dict[str, bytes]:
-    return {**labs, "lab90_fixture.py": labs["lab90_fixture.py"] + b"\n" + payload.encode()}
+    """`payload` run in the lab's namespace when the lab is imported, from a class the student
+    adds: the splice keeps such a class, and a class body runs at import."""
+    return {**labs, "lab90_fixture.py": labs["lab90_fixture.py"]
+            + f"\n\nclass _Payload:\n    exec({payload!r}, globals())\n".encode()}
+
+
+def _plain(labs: dict[str, bytes], code: str) -> dict[str, bytes]:
+    """`code` appended to the lab as it is: module-level code, which the splice never runs."""
+    return {**labs, "lab90_fixture.py": labs["lab90_fixture.py"] + b"\n" + code.encode()}
+
+
+# add_vectors that changes its first input and returns it (the tests read the lab's instrument
+# same_list to catch that), handed in with that instrument edited to say "not the same list"
+RETURNS_ITS_INPUT = ("    summed = [float(x) + float(y) for x, y in zip(a, b)]  # fixture solution, add_vectors\n"
+                     "    return summed\n",
+                     "    a[:] = [float(x) + float(y) for x, y in zip(a, b)]\n    return a\n")
+BLIND_INSTRUMENT = ("    return x is y\n", "    return False\n")
+# a helper function and an import of the student's own, which the exercise uses
+OWN_HELPER = ("    summed = [float(x) + float(y) for x, y in zip(a, b)]  # fixture solution, add_vectors\n",
+              "    summed = [_add(x, y) for x, y in zip(a, b)]\n")
+OWN_HELPER_CODE = "\n\nimport math\n\n\ndef _add(x, y):\n    return math.fsum([float(x), float(y)])\n"
+
+
+def _edited(labs: dict[str, bytes], *swaps: tuple[str, str]) -> dict[str, bytes]:
+    text = labs["lab90_fixture.py"].decode()
+    for old, new in swaps:
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    return {**labs, "lab90_fixture.py": text.encode()}
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -343,11 +379,28 @@ def test_forged_results_do_not_score_and_are_flagged(run, attack):
         assert "(must fail) reported passed" in run.flags(attack)
 
 
-def test_code_changed_outside_the_exercises_is_flagged(run):
-    """Tests may rely on a lab's other code (counters, runners): a submission that changes it can
-    change what its own tests see, so the row says so (the solved controls are not flagged)."""
-    assert "code outside the exercise functions differs" in run.flags("tamper"), run.flags("tamper")
-    assert "code outside the exercise functions" not in run.flags("ada-1")
+def test_code_outside_the_exercises_never_runs_and_the_feedback_says_so(run):
+    """The issue's case in small: an exercise the tests catch through an instrument of its lab
+    (same_list), handed in with that instrument edited to hide it, gets the score its exercise
+    earns, with a note naming what did not run; module-level code and a second definition of an
+    exercise never run; a student's own helper function and import work."""
+    assert run.score("instrument") == 7 - 2, run.feedback["instrument"]  # both new-list tests fail
+    assert "| public: test_add_vectors_small | add_vectors | 0/1 | failed: an assertion did not " \
+           "hold |" in run.feedback["instrument"]
+    assert "labs/lab90_fixture.py: not run (the course's own code ran instead): same_list (changed)" \
+        in run.feedback["instrument"], run.feedback["instrument"]
+    assert run.rows["instrument"].note.startswith("1 part(s) of the submitted labs not run")
+    assert run.score("outside") == 7, run.feedback["outside"]
+    for what in ("a second definition of the course's add_vectors",
+                 "`RunningMean.push = lambda self, value: 0.0`: module-level code that is not a "
+                 "definition", "`same_list = lambda x, y: False`: it rebinds the course's same_list"):
+        assert what in run.feedback["outside"], (what, run.feedback["outside"])
+    assert (run.score("own_helper"), run.rows["own_helper"].note, run.flags("own_helper")) == (7, "", ""), \
+        run.feedback["own_helper"]
+    assert "Not run from your files" not in run.feedback["ada-1"] and run.rows["ada-1"].note == ""
+    # code that can still change the course's code at run time is run, and flagged for review
+    assert "calls exec(): it can change the course's code as the tests run; review it" \
+        in run.flags("tamper"), run.flags("tamper")
 
 
 def test_nothing_outside_the_sandbox_is_written(run):

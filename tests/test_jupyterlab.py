@@ -201,6 +201,13 @@ class Lab:
         self.client = BlockingKernelClient(connection_file=str(connection))
         self.client.load_connection_file()
         self.client.start_channels()
+        # wait_for_ready calls the kernel dead if its heartbeat does not answer within a second of
+        # the first request: a kernel still importing (a busy machine) is not dead; the server
+        # knows when it is up
+        deadline = time.monotonic() + 120
+        while self.api("GET", f"/api/kernels/{self.kernel_id}")["execution_state"] == "starting" \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
         self.client.wait_for_ready(timeout=120)
         # the notebooks put the repository root first on the path; this checkout's helpers
         self.run(f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r})")
@@ -351,44 +358,105 @@ def _widget_states(messages: list[dict]) -> dict[str, dict]:
             and m["content"].get("target_name") == "jupyter.widget"}
 
 
+def _css_rules(html_text: str) -> dict[str, str]:
+    """{selector: declarations} of the <style> blocks in `html_text`."""
+    styles = "".join(re.findall(r"<style>(.*?)</style>", html_text, re.S))
+    return {" ".join(k.split()): v for k, v in re.findall(r"([^{}]+)\{([^}]*)\}", styles)}
+
+
+EXPLORER = ("import ipywidgets as widgets\nfrom helpers.show import explorer, html_text\n"
+            "n = widgets.IntSlider(value=3, min=1, max=9, description='n')\n"
+            "box = explorer([n], lambda: html_text(f'n squared = {n.value ** 2}'))")
+
+
 def test_explorer_says_to_run_the_cell_when_no_kernel_is_behind_it(lab):
     """An explorer's saved widget state carries "run this cell to use the controls", shown only
     where the front end marks the controls disconnected (reopened notebook, restarted kernel)."""
-    code = ("import ipywidgets as widgets\nfrom helpers.show import explorer, html_text\n"
-            "n = widgets.IntSlider(value=3, min=1, max=9, description='n')\n"
-            "box = explorer([n], lambda: html_text(f'n squared = {n.value ** 2}'))")
-    messages = lab.run(code)
+    messages = lab.run(EXPLORER)
     states = _widget_states(messages)  # what the front end keeps, and saves with the notebook
     views = [m["content"]["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
-             for m in messages if m["msg_type"] == "display_data"]
+             for m in messages if m["msg_type"] == "display_data"
+             and "application/vnd.jupyter.widget-view+json" in m["content"]["data"]]
     assert len(views) == 1, f"expected one widget view: {messages}"
     children = [ref.removeprefix("IPY_MODEL_") for ref in states[views[0]]["children"]]
     notes = [states[c] for c in children
              if "run this cell to use the controls" in states[c].get("value", "").lower()]
     assert len(notes) == 1, ("the explorer's saved state has no note saying to run the cell to use "
                              "the controls: reopened, its controls would do nothing, silently")
-    style = re.search(r"<style>(.*?)</style>", notes[0]["value"], re.S)
-    rules = dict(re.findall(r"([^{}]+)\{([^}]*)\}", style.group(1) if style else ""))
-    rules = {" ".join(k.split()): v for k, v in rules.items()}
+    rules = _css_rules(notes[0]["value"])
     note, gone = f".{show.OFFLINE_NOTE_CLASS}", f".{show.DISCONNECTED_CLASS}"
     assert "display: none" in rules.get(note, ""), \
         "the note is not hidden by default: it would show under live, working controls too"
     assert "display: block" in rules.get(f"{gone} {note}", ""), \
         f"the note is not shown where the front end marks widgets disconnected ({gone})"
     # the class ipywidgets' JupyterLab manager puts on a view whose kernel is gone
+    marks = re.compile(rf"addClass\(\s*[\"']{show.DISCONNECTED_CLASS}[\"']\s*\)")
+    assert marks.search(_front_end_code(_widget_manager_code())), \
+        f"this ipywidgets no longer marks disconnected views with {show.DISCONNECTED_CLASS!r}"
+
+
+def _widget_manager_code() -> Path:
     from jupyter_core.paths import jupyter_path
 
     folders = [Path(p) / "@jupyter-widgets" / "jupyterlab-manager" / "static"
                for p in jupyter_path("labextensions")]
-    manager = next((f for f in folders if f.is_dir()), folders[0])
-    marks = re.compile(rf"addClass\(\s*[\"']{show.DISCONNECTED_CLASS}[\"']\s*\)")
-    assert marks.search(_front_end_code(manager)), \
-        f"this ipywidgets no longer marks disconnected views with {show.DISCONNECTED_CLASS!r}"
+    return next((f for f in folders if f.is_dir()), folders[0])
+
+
+def test_explorer_leaves_its_last_view_where_no_widget_state_is_saved(lab):
+    """After a kernel restart JupyterLab saves no widget state (only live models), and the
+    reopened notebook shows "Error displaying widget: model not found" where the controls were.
+    An explorer also leaves an ordinary output after its controls: its last view (kept up to date
+    as the controls move) under a note saying to run the cell, hidden while the controls are
+    drawn, and hiding that error line when they are not. (Checked in Chromium: run, restart,
+    save, reopen; what the browser applies is read here from the stylesheets.)"""
+    messages = lab.run(EXPLORER)
+    shown = [m["content"] for m in messages if m["msg_type"] == "display_data"]
+    assert len(shown) == 2, f"expected the controls, then the saved view: {shown}"
+    controls, saved = shown
+    assert controls["data"]["text/plain"] == show.CONTROLS_TEXT, \
+        "an untrusted notebook would show the widget's whole repr instead of one line"
+    html_view = saved["data"].get("text/html", "")
+    display_id = saved.get("transient", {}).get("display_id")
+    assert "run this cell" in html_view.lower() and "n squared = 9" in html_view, (
+        "the explorer leaves no view of its own after the controls: a notebook saved after a kernel "
+        f"restart shows only 'model not found'\n{html_view}")
+    assert "n: 3" in html_view, "the saved view does not say which settings it was drawn for"
+    assert display_id, "the saved view has no display id: it cannot follow the controls"
+    moved = lab.run("n.value = 5")
+    updates = [m["content"] for m in moved if m["msg_type"] == "update_display_data"]
+    assert updates and updates[-1]["transient"]["display_id"] == display_id and \
+        "n squared = 25" in updates[-1]["data"]["text/html"], \
+        "moving a control does not update the saved view: a reopened notebook would show a stale one"
+    # its class names this explorer alone; the controls' stylesheet hides exactly that view
+    key = re.search(rf'class="{show.SAVED_VIEW_CLASS} ({show.SAVED_VIEW_CLASS}-\w+)"', html_view)
+    assert key, f"the saved view is not marked with its explorer's own class:\n{html_view}"
+    mine = f".{show.SAVED_VIEW_CLASS}.{key.group(1)}"
+    states = _widget_states(messages)
+    hidden = [k for state in states.values() if isinstance(state.get("value"), str)
+              for k, v in _css_rules(state["value"]).items() if "display: none" in v]
+    assert mine in hidden, ("the live controls do not hide the saved view: every explorer would "
+                            f"show its picture under its working controls ({hidden})")
+    # ... and the saved view hides the output just before it when that holds no element (the
+    # error line), never a drawn widget
+    after = ".jp-OutputArea-child:has(+ .jp-OutputArea-child " + mine + ")"
+    rules = _css_rules(html_view)
+    assert any(k.startswith(after) and ":not(:has(.jp-OutputArea-output *))" in k
+               and "display: none" in v for k, v in rules.items()), \
+        f"the saved view does not hide the 'model not found' line before it: {rules}"
+    # the front end's rules these rely on: models saved only while live; that error line
+    code = _front_end_code(_widget_manager_code())
+    assert re.search(r"comm_live&&\w+\.push", code), \
+        "ipywidgets now saves widgets whose kernel is gone: the saved view may be unneeded"
+    assert 'textContent="Error displaying widget: model not found"' in code, \
+        "ipywidgets shows a missing widget differently now: check the saved view's stylesheet"
 
 
 def test_a_notebook_opened_run_and_saved_is_unchanged_for_git(lab):
     """A notebook opened, run and saved in JupyterLab (outputs, widget state, and the kernel's name
-    and Python version in its metadata) shows no change in git diff, so ./run.sh update can pull."""
+    and Python version in its metadata) shows no change in git diff, nor in git status (git
+    compares sizes first: JupyterLab's post-save hook has it compare the content), so a plain
+    git pull can update it too."""
     model = lab.api("GET", f"/api/contents/{NOTEBOOK}?content=1")
     notebook = model["content"]
     # what JupyterLab's front end writes into the notebook from the kernel it runs
@@ -414,3 +482,177 @@ def test_a_notebook_opened_run_and_saved_is_unchanged_for_git(lab):
         pytest.fail("opening, running and saving a notebook shows as a change in git (./run.sh "
                     "update would refuse to pull over it):\n"
                     f"{diff.stdout[-3000:]}{diff.stderr[-2000:]}")
+    # the post-save hook refreshes git's index in the background (the filter: a second or so)
+    deadline = time.monotonic() + 60
+    while (listed := _git("status", "--porcelain", cwd=lab.root).stdout.strip()) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not listed, ("git status lists the notebook that was only run and saved as modified "
+                        f"(git compared its size, not its content: no post-save refresh):\n{listed}")
+
+
+def test_update_waits_for_jupyterlab_to_stop(lab):
+    """./run.sh update refuses while JupyterLab serves the checkout (a notebook open there would
+    be saved back over the update), and says how to stop it."""
+    env = dict(os.environ, COURSE_PYTHON=sys.executable, JUPYTER_RUNTIME_DIR=str(lab.runtime),
+               HOME=str(lab.runtime))
+    done = subprocess.run(["bash", "run.sh", "update"], cwd=lab.root, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "JupyterLab is serving this folder" in done.stderr and \
+        f":{lab.port}/" in done.stderr, \
+        f"./run.sh update did not stop for the running JupyterLab:\n{done.stdout}{done.stderr}"
+
+
+# ---- ./run.sh update, with an upstream repository and a student's clone -------------------------
+
+def _notebook(title: str) -> str:
+    """A small notebook as the course commits it (what the filter makes of it)."""
+    import nbformat
+
+    from helpers.notebook_filter import clean
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# {title}"),
+                nbformat.v4.new_code_cell("print(6 * 7)")]
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i}"
+    return clean(nbformat.writes(nb))
+
+
+def _run_and_save(path: Path, output: str) -> None:
+    """What running a notebook and saving it in JupyterLab writes into the file."""
+    nb = json.loads(path.read_text())
+    code = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    code["outputs"] = [{"output_type": "stream", "name": "stdout", "text": [output]}]
+    code["execution_count"] = 1
+    nb["metadata"]["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    nb["metadata"]["language_info"] = {"name": "python", "version": "3.11.9"}
+    path.write_text(json.dumps(nb, indent=1))
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _edit(path: Path, text: str) -> None:
+    nb = json.loads(path.read_text())
+    nb["cells"].append({"cell_type": "markdown", "id": "mine", "metadata": {}, "source": [text]})
+    path.write_text(json.dumps(nb, indent=1))
+
+
+def test_update_keeps_what_the_student_ran_and_wrote(tmp_path):
+    """./run.sh update against a bare upstream repository: it stops before touching anything when
+    the course changed a file the student changed too (a lab); otherwise it updates the notebooks
+    the course changed, each the student ran or edited first set aside with its outputs and edits
+    in a folder of its own (a second update never overwrites the first's copies), leaves every
+    other notebook as it was, and says what happened to each. Saving outputs (as JupyterLab does)
+    leaves git status clean once the index is refreshed."""
+    identity = ["-c", "user.email=i@course", "-c", "user.name=instructor"]
+    git = lambda *args, cwd: subprocess.run(["git", *identity, *args], cwd=cwd, capture_output=True,
+                                            text=True, timeout=120)
+    course, bare, student = tmp_path / "course", tmp_path / "upstream.git", tmp_path / "student"
+    for name in ("run.sh", "requirements.txt", ".gitattributes", ".gitignore"):
+        (course / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO_ROOT / name, course / name)
+    shutil.copytree(REPO_ROOT / "helpers", course / "helpers",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    names = {"ran": "01_ran", "kept": "02_kept", "edited": "03_edited", "fresh": "04_fresh",
+             "mine": "05_mine"}
+    nbs = {k: Path("notebooks") / f"{v}.ipynb" for k, v in names.items()}
+    (course / "notebooks").mkdir()
+    (course / "labs").mkdir()
+    for key, rel in nbs.items():
+        (course / rel).write_text(_notebook(key))
+    (course / "labs" / "lab01.py").write_text("def exercise():\n    raise NotImplementedError\n")
+    assert git("init", "-q", "-b", "main", cwd=course).returncode == 0
+    git("add", "-A", cwd=course)
+    assert git("commit", "-qm", "course", cwd=course).returncode == 0
+    assert git("clone", "-q", "--bare", str(course), str(bare), cwd=tmp_path).returncode == 0
+    git("remote", "add", "origin", str(bare), cwd=course)
+    git("fetch", "-q", "origin", cwd=course)
+    git("branch", "-q", "--set-upstream-to=origin/main", cwd=course)
+    assert git("clone", "-q", str(bare), str(student), cwd=tmp_path).returncode == 0
+    # files written in the second the index was: git compares their content on the next status,
+    # through the filter once it is installed (a second a notebook): compare them now, unfiltered
+    time.sleep(1.1)
+    git("update-index", "-q", "--really-refresh", cwd=student)
+    env = dict(os.environ, COURSE_PYTHON=sys.executable,
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "no-jupyter"))
+
+    def update() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "run.sh", "update"], cwd=student, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    def publish(changes: dict[str, str]) -> None:
+        for rel, text in changes.items():
+            (course / rel).write_text(text)
+        git("add", "-A", cwd=course)
+        assert git("commit", "-qm", "fix", cwd=course).returncode == 0
+        assert git("push", "-q", "origin", "main", cwd=course).returncode == 0
+
+    done = update()  # the first run installs the git filter; the course has nothing new yet
+    assert done.returncode == 0 and "no new version" in done.stdout, done.stdout + done.stderr
+
+    # the student runs three notebooks, edits two, writes the lab's exercise
+    _run_and_save(student / nbs["ran"], "ran: 1.23 s\n")
+    _run_and_save(student / nbs["kept"], "kept: 4.56 s\n")
+    _run_and_save(student / nbs["edited"], "edited: 7.89 s\n")
+    _edit(student / nbs["edited"], "my note on 03")
+    _edit(student / nbs["mine"], "my note on 05")
+    (student / "labs" / "lab01.py").write_text("def exercise():\n    return 42\n")
+    subprocess.run([sys.executable, "-m", "helpers.notebook_filter", "--refresh",
+                    *map(str, nbs.values())], cwd=student, check=True, timeout=120)
+    listed = sorted(line[3:] for line in git("status", "--porcelain", cwd=student).stdout.splitlines())
+    assert listed == sorted(["labs/lab01.py", str(nbs["edited"]), str(nbs["mine"])]), (
+        "after refreshing, git status should list what the student edited and nothing that was "
+        f"only run: {listed}")
+
+    # the course changes the lab, two notebooks the student touched, one not, and adds one
+    new = {k: _notebook(f"{k} (updated)") for k in ("ran", "edited", "fresh")}
+    publish({str(nbs[k]): text for k, text in new.items()}
+            | {"notebooks/06_new.ipynb": _notebook("new"),
+               "labs/lab01.py": "def exercise():\n    raise NotImplementedError('better hint')\n"})
+    before = {rel: (student / rel).read_bytes() for rel in nbs.values()}
+    done = update()
+    assert done.returncode != 0 and "labs/lab01.py" in done.stderr and \
+        "Nothing was changed" in done.stderr, done.stdout + done.stderr
+    assert {rel: (student / rel).read_bytes() for rel in nbs.values()} == before and \
+        not (student / "runs").exists(), "the refused update changed the student's notebooks"
+
+    git("checkout", "--", "labs/lab01.py", cwd=student)  # the student sets the lab aside
+    done = update()
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    copies = sorted((student / "runs" / "notebook-outputs").glob("*/*.ipynb"))
+    assert [c.name for c in copies] == [nbs["ran"].name, nbs["edited"].name], \
+        f"set aside {[c.name for c in copies]}, expected the ran and the edited notebook:\n{out}"
+    assert "ran: 1.23 s" in copies[0].read_text(), "the outputs of the notebook the course changed are lost"
+    assert "my note on 03" in copies[1].read_text() and "edited: 7.89 s" in copies[1].read_text(), \
+        "the edits (and outputs) of the notebook the course changed are lost"
+    for key in ("ran", "edited", "fresh"):
+        assert "(updated)" in (student / nbs[key]).read_text(), f"{nbs[key]} was not updated"
+    assert (student / "notebooks/06_new.ipynb").exists(), "the new notebook did not arrive"
+    assert (student / nbs["kept"]).read_bytes() == before[nbs["kept"]] and \
+        (student / nbs["mine"]).read_bytes() == before[nbs["mine"]], \
+        "a notebook the course did not change was touched (outputs or edits lost)"
+    said = out[out.index("updated to"):].splitlines()
+    for key, says in [("ran", f"with your outputs, is {_rel(copies[0], student)}"),
+                      ("edited", f"with your edits and outputs, is {_rel(copies[1], student)}"),
+                      ("fresh", "new version"), ("kept", "left as it was, with your outputs"),
+                      ("mine", "left as it was, with your edits")]:
+        line = next((line for line in said if str(nbs[key]) in line), "")
+        assert says in line, f"the update does not say what happened to {nbs[key]}:\n{out}"
+    assert "06_new.ipynb: a new notebook" in out, out
+    assert not git("status", "--porcelain", "--", str(nbs["ran"]), str(nbs["kept"]),
+                   cwd=student).stdout.strip(), "notebooks that were only run show as modified"
+
+    # run again, the course changes it again: a second copy, the first one untouched
+    first = copies[0].read_bytes()
+    _run_and_save(student / nbs["ran"], "ran again: 2.34 s\n")
+    publish({str(nbs["ran"]): _notebook("ran (updated twice)")})
+    done = update()
+    assert done.returncode == 0, done.stdout + done.stderr
+    again = sorted(set((student / "runs" / "notebook-outputs").glob("*/*.ipynb")) - set(copies))
+    assert len(again) == 1 and "ran again: 2.34 s" in again[0].read_text(), \
+        f"the second update did not keep the second run's outputs in a new copy: {again}"
+    assert copies[0].read_bytes() == first, "the second update overwrote the first update's copy"

@@ -58,21 +58,22 @@ def test_a_function_of_main_cannot_be_found_by_a_fresh_process(monkeypatch):
 
 
 def test_work_is_split_into_the_same_total_for_any_worker_count():
+    smoke = lab.Run.preset("smoke")
     for name, spec in lab.WORKLOADS.items():
         for workers in (1, 2, 3, 4):
-            items = spec.items(4 * workers, spec.total_smoke)
+            items = spec.items(4 * workers, spec.total(smoke))
             assert len(items) == 4 * workers
             assert [item[0] for item in items] == list(range(4 * workers))  # distinct seeds
             total = sum(item[1] for item in items)
             rounding = 0.0 if not spec.whole else len(items) / 2  # whole units per item
-            assert abs(total - spec.total_smoke) <= rounding + 1e-9, (name, workers, total)
+            assert abs(total - spec.total(smoke)) <= rounding + 1e-9, (name, workers, total)
     with pytest.raises(ValueError):
         lab.WORKLOADS["python"].items(0)
 
 
 def test_workloads_are_deterministic_and_seed_dependent():
     for spec in lab.WORKLOADS.values():
-        a, b = spec.items(2, spec.total_smoke / 100)
+        a, b = spec.items(2, spec.total(lab.Run.preset("smoke")) / 100)
         assert spec.fn(a) == spec.fn(a)
         assert spec.fn(a) != spec.fn(b)
 
@@ -191,7 +192,7 @@ def lab_run():
 def test_lab_ranks_together_compute_the_single_process_result(lab_run):
     rank0, rank1 = lab_run[0], lab_run[1]
     n_items = 4 * 2
-    items = lab.WORKLOADS["python"].items(n_items, lab.LAB_ITERATIONS[1])  # the smoke size
+    items = lab.WORKLOADS["python"].items(n_items, lab.Run.preset("smoke").lab_iterations)
     results = [lab.python_work(item) for item in items]  # the single-process reference
     expected = sum(results)
     assert rank0["serial_checksum"] == expected

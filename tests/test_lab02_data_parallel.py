@@ -180,7 +180,7 @@ def test_small_helpers():
 
 def test_costs_main_runs_in_process(monkeypatch, capsys):
     monkeypatch.setenv("COURSE_SMOKE", "1")
-    costs.main()
+    costs.main([])
     out = capsys.readouterr().out
     assert "bytes replica 0 sent and received" in out and "threads vs a serial loop" in out
     assert "not a broken install" in out or torch.version.cuda is not None

@@ -12,20 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from labs.lab03_fault_tolerance import Run
 from tests.harness import launch_ranks
 
-STEPS, CKPT_EVERY, KILL_AT = 16, 4, 10
-DATASET, LOCAL_BATCH = 128, 8
+SMOKE = Run.preset("smoke")
+STEPS, CKPT_EVERY, KILL_AT = SMOKE.steps, SMOKE.ckpt_every, SMOKE.between_checkpoints
+DATASET, LOCAL_BATCH = SMOKE.dataset_size, SMOKE.local_batch_size
 
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lab03_ft")
-    res = launch_ranks("labs/lab03_fault_tolerance.py", "--steps", STEPS, "--ckpt-every", CKPT_EVERY,
-                       "--dataset-size", DATASET, "--local-batch-size", LOCAL_BATCH,
-                       "--ckpt-dir", folder, "--kill-rank", 1, "--kill-at-step", KILL_AT,
-                       nproc=2, torchrun_args=["--max-restarts=1"],
-                       env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    cfg = Run.preset("smoke", ckpt_dir=str(folder), kill_rank=1, kill_at_step=KILL_AT)
+    res = launch_ranks("labs/lab03_fault_tolerance.py", *cfg.argv(), nproc=2,
+                       torchrun_args=["--max-restarts=1"], env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     return res, folder
 
 

@@ -176,13 +176,15 @@ def test_fits_by_op_survives_times_that_do_not_grow():
 def test_count_p2p_forbids_collectives_then_restores():
     """In one process (gloo cannot send to itself, so counting is checked in the 3-rank launch)."""
     import torch.distributed as dist
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
     from helpers.dist import distributed
 
     before = dict(vars(dist.ProcessGroup))
     with distributed():
         x = torch.ones(3)
         with comm_count.count_p2p() as traffic:
-            assert vars(dist.ProcessGroup)["send"] is not before["send"]
+            assert _get_current_dispatch_mode() is traffic.meter   # the meter (helpers/traffic.py) is on
             with pytest.raises(comm_count.CollectiveUsed):
                 dist.all_reduce(x)
             with pytest.raises(comm_count.CollectiveUsed):
@@ -190,6 +192,7 @@ def test_count_p2p_forbids_collectives_then_restores():
             with pytest.raises(comm_count.CollectiveUsed):
                 dist.barrier()
         assert traffic.messages == [] and traffic.sent_bytes == 0
+        assert _get_current_dispatch_mode() is None
         assert all(vars(dist.ProcessGroup)[k] is v for k, v in before.items())
         dist.all_reduce(x)  # restored: collectives work again
         with comm_count.count_p2p(forbid_collectives=False):
@@ -336,15 +339,15 @@ def worker() -> None:
     from labs import lab04_bandwidth, lab04_collectives, lab04_ring, lab04_traffic
 
     with distributed() as ctx:
-        record = lab04_collectives.run(ctx)
+        record = lab04_collectives.run(ctx, lab04_collectives.Run.preset("smoke"))
         lab04_collectives.print_summary(ctx, record)
-        traffic = lab04_traffic.run(ctx)
+        traffic = lab04_traffic.run(ctx, lab04_traffic.Run.preset("smoke"))
         lab04_traffic.print_summary(ctx, traffic)
-        bandwidth = lab04_bandwidth.run(ctx, sizes=SMALL_SIZES, goal_size=SMALL_SIZES[-1],
-                                        limit_size=SMALL_SIZES[-1])
+        bandwidth = lab04_bandwidth.run(ctx, lab04_bandwidth.Run.preset(
+            "smoke", sizes=tuple(SMALL_SIZES), goal_size=SMALL_SIZES[-1], limit_size=SMALL_SIZES[-1]))
         if ctx.rank == 0:
             lab04_bandwidth.print_summary(bandwidth)
-        ring = lab04_ring.run(ctx)
+        ring = lab04_ring.run(ctx, lab04_ring.Run.preset("smoke"))
         ctx.report(tour=record, traffic=traffic, bandwidth=bandwidth, ring=ring)
 
 

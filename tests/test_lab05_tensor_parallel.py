@@ -253,7 +253,7 @@ def worker(ctx) -> dict:
         "column": error_of(lambda: lab.ColumnParallelLinear.from_dense(nn.Linear(8, 5))),
         "row": error_of(lambda: lab.RowParallelLinear.from_dense(nn.Linear(5, 8))),
         "heads": error_of(lambda: block_lab.tensor_parallel_block(block_lab.dense_block(6, 3, 8))),
-        "run": error_of(lambda: lab.run(ctx, d_ff=9)),
+        "run": error_of(lambda: lab.run(ctx, lab.Run.preset(d_ff=9))),
     }
     with seeded(0):  # the same dense layers on every rank
         dense, row_dense = nn.Linear(4, 6).to(ctx.device), nn.Linear(6, 4).to(ctx.device)
@@ -267,11 +267,11 @@ def worker(ctx) -> dict:
         "row_is_chunk_r": bool(torch.equal(row.weight, row_dense.weight[:, ctx.rank * n:(ctx.rank + 1) * n])),
         "row_bias_full": bool(torch.equal(row.bias, row_dense.bias)),
     }
-    volume = comm.run(ctx, repeats=1)
+    volume = comm.run(ctx, comm.Run.preset(repeats=1))
     comm.print_summary(ctx, volume)
-    return {"errors": errors, "layouts": layouts, "mlp": lab.run(ctx, dtype=torch.float64), "comm": volume,
-            "dtensor": dtensor_lab.run(ctx, dtype=torch.float64),
-            "block": block_lab.run(ctx, dtype=torch.float64)}
+    return {"errors": errors, "layouts": layouts, "mlp": lab.run(ctx, lab.Run.preset(dtype="float64")),
+            "comm": volume, "dtensor": dtensor_lab.run(ctx, dtensor_lab.Run.preset(dtype="float64")),
+            "block": block_lab.run(ctx, block_lab.Run.preset(dtype="float64"))}
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ from tests.harness import launch_ranks
 
 
 def test_token_data_is_deterministic_and_learnable():
-    config = lab.LMConfig(batch_size=4, seq_len=8)
+    config = lab.LMConfig(batch=4, seq=8)
     a, b = lab.make_token_batches(config, 3), lab.make_token_batches(config, 3)
     assert a.shape == (3, 4, 9) and a.dtype == torch.long and torch.equal(a, b)
-    assert int(a.min()) >= 0 and int(a.max()) < config.vocab_size
+    assert int(a.min()) >= 0 and int(a.max()) < config.vocab
     # each token has at most 4 possible successors: far less than log(vocab) nats of entropy
     pairs = {(x, y) for row in a.view(-1, 9).tolist() for x, y in zip(row, row[1:])}
     successors = {}
@@ -26,11 +26,11 @@ def test_token_data_is_deterministic_and_learnable():
 
 
 def test_model_shapes_and_manual_stage_pieces():
-    config = lab.LMConfig(num_layers=4)
+    config = lab.LMConfig(layers=4)
     model = lab.build_model(config)
     tokens = lab.make_token_batches(config, 1)[0, :, :-1]
     logits = model(tokens)
-    assert logits.shape == (config.batch_size, config.seq_len, config.vocab_size)
+    assert logits.shape == (config.batch, config.seq, config.vocab)
     assert lab.split_layers(config, 2) == [2]
     with pytest.raises(ValueError):
         lab.split_layers(config, 3)
@@ -40,12 +40,13 @@ def test_model_shapes_and_manual_stage_pieces():
 
 @pytest.fixture(scope="module")
 def lab_run():
-    return launch_ranks("labs/lab06_pipelining_api.py", nproc=2, timeout=300,
-                        env={"COURSE_SMOKE": "1", "DIST_TIMEOUT": "60"})
+    return launch_ranks("labs/lab06_pipelining_api.py", "--preset", "smoke", nproc=2, timeout=300,
+                        env={"DIST_TIMEOUT": "60"})
 
 
 def test_pipelined_losses_equal_single_process(lab_run):
-    config = lab.LMConfig(**lab_run[0]["config"])
+    config = lab.Run(**lab_run[0]["config"])
+    assert config == lab.Run.preset("smoke")
     reference = lab_run[1]["reference_losses"]   # train_reference, in another process
     assert len(reference) == config.steps >= 2
     assert reference[-1] < reference[0]   # it learns

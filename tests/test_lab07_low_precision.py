@@ -388,11 +388,11 @@ def _worker(case: str) -> None:
     with distributed() as ctx:
         if case != "labs":
             raise ValueError(case)
-        fm.lab(ctx)
-        lp.lab(ctx)
-        mem.lab(ctx)
-        swap.lab(ctx)
-        amp.lab(ctx)
+        fm.run(ctx, fm.Run.preset())
+        lp.run(ctx, lp.Run.preset())
+        mem.run(ctx, mem.Run.preset())
+        swap.run(ctx, swap.Run.preset())
+        amp.run(ctx, amp.Run.preset())
         g = torch.Generator().manual_seed(100 + ctx.rank)
         local = torch.randn(4096, generator=g).to(ctx.device)
         mean_bf16 = lp.all_reduce_mean(local, torch.bfloat16, ctx.world_size)

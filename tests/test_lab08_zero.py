@@ -184,8 +184,8 @@ def worker() -> None:
 
     with distributed() as ctx:
         torch.set_num_threads(1)
-        zero.run(ctx)
-        lab08_torch_sharding.run(ctx)
+        zero.run(ctx, zero.Run.preset())
+        lab08_torch_sharding.run(ctx, lab08_torch_sharding.Run.preset())
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["run"]:

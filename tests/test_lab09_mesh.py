@@ -133,6 +133,27 @@ def test_machine_measurements_for_the_planner(run4):
             assert r["step_s"] > 0, (rank, name)
 
 
+
+def test_report_reads_what_the_labs_report(run4):
+    """Notebook 09's summaries (labs/lab09_report.py) computed from this launch's reports: a renamed
+    field fails here, not minutes into nbmake."""
+    from labs import lab09_report as report
+
+    res = {rank: run4[rank]["lab09_mesh"] for rank in range(4)}
+    configs_seen = report.configurations(res, mesh.TOLERANCE)
+    assert configs_seen.within and len(configs_seen.rows) == 5 and not configs_seen.unsolved
+    s0 = run4[0]["lab09_sequence_parallel"]
+    kept = report.activations(s0)
+    assert len(kept.rows) == 3 and kept.measured_ratio > 1
+    sent = report.sp_traffic(s0)
+    assert len(sent.rows) == 4 and "1.0x" not in sent.text and not sent.unsolved
+    assert "within" in report.dtensor_check(solved(res[0]["dtensor"]), mesh.TOLERANCE)
+    measured = report.machine(res[0]["machine"], res[0]["sizes"])
+    assert measured.sweep and len(measured.back_to_back) == 6 and len(measured.in_step) == 6
+    cluster = mesh.lab_cluster(res[0]["machine"])
+    checked = report.validation(res, mesh.lab_model(res[0]["sizes"]), cluster, mesh.lab_cluster(res[0]["machine"], False))
+    assert len(checked.rows) == 5 and "Step time, predicted / measured" in report.validation_verdict(checked.rows)
+
 # ------------------------------------------------------------------------------ pipelines
 def pipelines(run4, rank):
     return run4[rank]["lab09_pipelines"]

@@ -154,26 +154,53 @@ def test_explorer_logic():
     assert [r["link"] for r in rows] == ["inside a node", "between nodes", "between nodes"]
 
 
-def test_explorer_without_the_planner(monkeypatch):
-    """Student edition, planner unsolved: the explorer still shows the links and the schedule, and the stub's message."""
+STUBS = {name: (f"Exercise {name} (notebook 09_combining.ipynb): predict it. Fill in the block in "
+                "labs/lab09_planner.py and run ./run.sh check 09") for name in ("plan_memory", "plan_step_time")}
+
+
+def _stub(monkeypatch, *names):
+    """The student edition with the planner's exercises `names` still stubs."""
     import helpers.notice as exercise
 
-    stub = ("Exercise plan_memory (notebook 09_combining.ipynb): predict the bytes held per GPU. Fill in the "
-            "block in labs/lab09_planner.py and run ./run.sh check 09")
-
-    def unsolved(*args, **kwargs):
-        raise NotImplementedError(stub)
+    def stub(message):
+        def unsolved(*args, **kwargs):
+            raise NotImplementedError(message)
+        return unsolved
 
     monkeypatch.setattr(exercise, "student_edition", lambda root=None: True)
-    monkeypatch.setattr(scale, "plan_memory", unsolved)
+    for name in names:
+        monkeypatch.setattr(scale, name, stub(STUBS[name]))
+
+
+def test_explorer_without_the_planner(monkeypatch):
+    """Student edition, planner unsolved: the explorer still shows the model, the links and the
+    schedule, and one stub message per exercise still to write (both named, not the first only)."""
+    _stub(monkeypatch, "plan_memory", "plan_step_time")
     r = scale.explore("70B", 512, 8, 4, 1, "selective", "interleaved 1F1B")
-    assert r["error"] is None and r["unsolved"] == stub and "memory" not in r
+    assert r["error"] is None and r["unsolved"] == [STUBS["plan_memory"], STUBS["plan_step_time"]]
+    assert "memory" not in r and "time" not in r and "summary" not in r
     assert [row["link"] for row in r["links"]] == ["inside a node", "between nodes", "between nodes"]
     timing = pipeline_timing("interleaved 1F1B", 4, r["config"]["micro_batches"], 1.0, 2.0, 2)
     assert r["schedule"] == {"bubble / ideal": timing["bubble_ratio"], "held on stage 0": timing["peak_held"]}
     one = scale.explore("7B", 64, 8, 1, 1, "full", "1F1B")
     assert one["schedule"] == {"bubble / ideal": 0.0, "held on stage 0": 1.0}
-    assert one["error"] is None and one["unsolved"] == stub
+    assert one["error"] is None and len(one["unsolved"]) == 2
+    # the model control changes what an unsolved explorer shows
+    assert one["model"]["parameters"] == scale.GPT_7B.params and \
+        scale.explore("70B", 64, 8, 1, 1, "full", "1F1B")["model"]["parameters"] == scale.GPT_70B.params
+
+
+def test_explorer_with_one_exercise_written(monkeypatch):
+    """plan_memory written, plan_step_time not: the memory shows, and the notice names the other."""
+    needs_planner()
+    _stub(monkeypatch, "plan_step_time")
+    r = scale.explore("70B", 512, 8, 4, 1, "selective", "interleaved 1F1B")
+    assert r["unsolved"] == [STUBS["plan_step_time"]] and "time" not in r and "summary" not in r
+    assert r["memory"]["parameters"] > 0
+    _stub(monkeypatch, "plan_memory")
+    monkeypatch.setattr(scale, "plan_step_time", pl.plan_step_time)
+    r = scale.explore("70B", 512, 8, 4, 1, "selective", "interleaved 1F1B")
+    assert r["unsolved"] == [STUBS["plan_memory"]] and "memory" not in r and r["time"]["compute"] > 0
 
 
 def test_traffic_agrees_with_notebook_05():
@@ -206,7 +233,7 @@ def lab12_stage_params(config, shape, stage):
 def test_lab12_model_counts_lab12s_parameters(small):
     """RMSNorm, rotary positions, no biases, an MLP of ffn, an untied output: the planner counts lab 12's model."""
     from labs.lab12_model import LMConfig, parameter_count
-    from labs.lab09_mesh import lab12_model
+    from labs.lab12_plan import lab12_model
 
     config = LMConfig(dim=32, heads=4, layers=4, ffn=64, seq=32, batch=8) if small else LMConfig()
     spec = lab12_model(config)
@@ -222,7 +249,7 @@ def test_plan_lab12_holds_what_each_stage_holds(shape, microbatches):
     """plan_lab12: per stage, the parameters lab 12's stage holds on a rank (tp-split, then ZeRO-3 over dp), AdamW's 8 bytes."""
     needs_planner()
     from labs.lab08_zero import model_state_bytes
-    from labs.lab09_mesh import lab12_config, plan_lab12
+    from labs.lab12_plan import lab12_config, plan_lab12
     from labs.lab12_model import LMConfig
 
     config = LMConfig()

@@ -3,17 +3,22 @@ the gate convention, the load-balancing loss, capacity and dropped tokens, the r
 the byte formula, skew and imbalance, the aux loss in training (labs/lab11_expert_balance.py),
 and, in one launch on 4 ranks, both labs' run() end to end: the expert-parallel layer against the
 dense one, the bytes counted against the formula, and every (dp, ep) layout of expert x data
-parallelism against one process, with the wrong gradient reductions shown to differ.
+parallelism against one process, with the wrong gradient reductions shown to differ; and every
+conclusion notebook 11 prints in part 2, from its summary function fed this run's reports, each
+verdict fed the opposite case.
 
 Run:  .venv/bin/python -m pytest tests/test_lab11_experts.py -q
 """
 from __future__ import annotations
 
 
+import copy
+
 import pytest
 import torch
 
 import labs.lab11_expert_balance as balance
+import labs.lab11_expert_check as check
 import labs.lab11_experts as lab
 from helpers.notice import solved
 from tests.harness import launch_ranks
@@ -158,14 +163,14 @@ def test_routing_plan_and_byte_formula():
 
 def test_imbalance_and_skew():
     assert lab.imbalance([3, 3, 3]) == 1.0 and lab.imbalance([6, 0, 0]) == 3.0 and lab.imbalance([0, 0]) == 1.0
-    sizes = {**lab.default_sizes(), "hidden": 8, "ffn": 8, "tokens": 64}
+    sizes = {**check.default_sizes(), "hidden": 8, "ffn": 8, "tokens": 64}
     rows = balance.skew_table(sizes, 2, strengths=(0.0, 4.0))
     assert rows[0]["expert max/mean"] < rows[1]["expert max/mean"] > 1.9   # top-2 of 4 experts: at most 2
     assert rows[1]["tokens per expert"][0] == max(rows[1]["tokens per expert"])
 
 
 def test_capacity_table_drops_more_with_skew_and_less_with_capacity():
-    sizes = {**lab.default_sizes(), "hidden": 8, "ffn": 8, "tokens": 64}
+    sizes = {**check.default_sizes(), "hidden": 8, "ffn": 8, "tokens": 64}
     rows = balance.capacity_table(sizes, 2, factors=(1.0, 2.0), skews=(0.0, 4.0))
     dropped = {(r["skew"], r["capacity factor"]): r["dropped"] for r in rows}
     assert dropped[(4.0, 1.0)] > dropped[(0.0, 1.0)] and dropped[(4.0, 2.0)] <= dropped[(4.0, 1.0)]
@@ -211,7 +216,7 @@ def test_run_end_to_end_on_4_ranks(ranks):
             for row in check["bytes"]:
                 assert row["counted"] == row["formula"], row
             rows = check["rows_per_expert"]
-            assert rows["ran on"] == rows["routed"]
+            assert rows["ran on"] == rows["routed"] and all(c <= 1 for c in rows["calls"])
         skewed = solved(rep["check_skewed"])["plan_splits"]
         received = [sum(row[j] for row in skewed) for j in range(NPROC)]
         assert max(received) >= 2 * min(received), skewed    # the skewed check is really uneven
@@ -253,13 +258,99 @@ def test_wrong_gradient_reductions_differ_from_one_process(ranks, mistake):
     assert worst > 1e-6, f"{mistake}: the check cannot tell it from the right reduction"
 
 
+# ---------------------------------------------------------------------------------------- what the notebook prints
+def reports(ranks):
+    return [ranks[r]["run"] for r in range(NPROC)]
+
+
+def test_expert_check_summaries(ranks):
+    plan = check.plan_summary(ranks[0]["run"])
+    assert len(plan.rows) == NPROC and "balanced routing would send" in plan.lines[0]
+    shown = check.check_summary(reports(ranks))
+    assert shown.lines[0].endswith("rounding (float64)") and shown.lines[1].endswith("in one call")
+    assert shown.lines[2] == "collectives in the forward: ['all_to_all']"
+    assert check.bytes_summary(reports(ranks)).lines[0].startswith("counted bytes equal the formula")
+    wrong = copy.deepcopy(reports(ranks))
+    wrong[2]["check"]["worst"] = 1.0
+    wrong[1]["check_skewed"]["bytes"][1]["counted"] += 8
+    assert check.check_summary(wrong).lines[0].endswith("MORE than rounding")
+    assert check.bytes_summary(wrong).lines[0].startswith("counted bytes DIFFER")
+
+
+def test_rows_verdict_flips():
+    right = {"ran on": [3, 4], "routed": [3, 4], "calls": [1, 1]}
+    assert check.rows_verdict([right]).endswith("in one call")
+    assert check.rows_verdict([{**right, "calls": [4, 1]}]).endswith("in several calls")
+    assert check.rows_verdict([{**right, "ran on": [7, 4]}]).startswith("some expert ran on rows")
+
+
+def test_demo_and_explorer_picture():
+    demo = check.small_demo()
+    assert len(demo.rows) == 8 and "16 rows" in demo.lines[0] and demo.lines[1].endswith(("e-16", "e-17", "e+00"))
+    fig, text = check.draw_routing(4, 2, 2, 4.0, 1.0, 16)
+    assert fig.get_size_inches()[0] * 90 <= 860 and "rows received per rank" in text   # fits a 1366 px page
+
+
+def test_balance_summaries(ranks):
+    run = ranks[0]["run"]
+    assert balance.skew_summary(run).lines[0].startswith("from skew 0.0 to 4.0")
+    cap = balance.capacity_summary(run)
+    assert cap.lines[-1].startswith("the tilted router drops at least as many")
+    everywhere, from_125 = copy.deepcopy(run), copy.deepcopy(run)
+    for row in everywhere["capacity"]:
+        row["dropped"] += 1
+    for row in from_125["capacity"]:
+        row["dropped"] = 0 if row["capacity factor"] >= 1.25 else row["dropped"] + 1
+    assert balance.capacity_summary(everywhere).lines[0].endswith("assignments dropped at every factor of the table")
+    assert balance.capacity_summary(from_125).lines[0] == "router skew 0.0: nothing dropped from capacity factor 1.25 on"
+    wrong = copy.deepcopy(run)
+    tilted = next(r for r in wrong["capacity"] if r["skew"] > 0)
+    tilted["dropped"] = -1
+    assert balance.capacity_summary(wrong).lines[-1].startswith("not on this run")
+    assert all(line.startswith("router skew") for line in balance.timing_summary(reports(ranks)).lines)
+    assert balance.ep_dp_summary(reports(ranks)).lines[0].endswith("(rounding)")
+    wrong = copy.deepcopy(reports(ranks))
+    wrong[3]["ep_dp"]["dp2 x ep2"]["worst"] = 0.1
+    assert "MORE than rounding" in balance.ep_dp_summary(wrong).lines[0]
+    assert len(balance.mesh_table(8, 4, 8).rows) == 8
+
+
+def test_aux_loss_table_reaches_e_over_k():
+    """Switch's loss is at most E/k: measured, top-1 and top-2, with one expert taking every token."""
+    shown = balance.aux_loss_table()
+    hard = {row["top-k"]: row["aux loss"] for row in shown.rows if row["router"].startswith("everything")}
+    assert hard == {1: pytest.approx(4.0), 2: pytest.approx(2.0)}
+    assert all(row["aux loss"] <= row["E/k"] + 1e-9 for row in shown.rows)
+    assert shown.lines[1].count("the most it can be") == 2 and shown.lines[2].endswith("up for the others")
+    assert balance.ceiling_verdict(3.0, 4, 1).endswith("NOT E/k = 4")
+    assert balance.push_verdict([0.1, -0.1, 0.2], 0).startswith("NOT down")
+
+
+def test_load_verdict_flips():
+    """The time follows the rows only beyond the repeats' noise; a spread within it is noise."""
+    quiet = [[0.010, 0.0101, 0.0099], [0.030, 0.0301, 0.0299]]
+    assert balance.load_verdict([10, 30], quiet).endswith("the time followed the rows (the busiest rank was the slowest)")
+    assert "NOT the rows" in balance.load_verdict([30, 10], quiet)
+    assert "not the routing" in balance.load_verdict([20, 20], quiet)
+    noisy = [[0.010, 0.060, 0.002], [0.012, 0.001, 0.050]]
+    assert balance.load_verdict([20, 20], noisy).endswith(": noise")
+
+
+def test_training_result(ranks):
+    result = balance.training_result(ranks[0]["run"]["training"])
+    assert result.lines[0].endswith("the aux loss evened the load") and result.bound == 4.0
+    assert set(result.curves) == {"task loss only", "task + 0.01 x aux loss"}
+    flipped = copy.deepcopy(ranks[0]["run"]["training"])
+    flipped["runs"]["0.01"]["imbalance"][-1] = 99.0
+    flipped["runs"]["0.01"]["task_loss"][-1] = 99.0
+    lines = balance.training_result(flipped).lines
+    assert lines[0].endswith("no evening on this run") and "NOT learnt" in lines[2]
+
+
 # ---------------------------------------------------------------------------------------- worker
 def worker(ctx) -> dict:
-    result = lab.run(ctx, **SIZES)
-    lab.print_results(ctx, result)
-    result.pop("plan")   # every choice of every token: not needed here
+    result = check.run(ctx, **SIZES)
     balanced = balance.run(ctx, **SIZES)
-    balance.print_results(ctx, balanced)
     wrong = {name: balance.ep_dp_check(ctx.device, SIZES, 2, sync=sync)["worst"] for name, sync in WRONG.items()}
     return {"run": {**result, **balanced, "printed": True}, "wrong": wrong}
 

@@ -13,6 +13,7 @@ import pytest
 from labs import lab09_planner as pl
 from labs import lab11_experts as experts
 from labs import lab11_planner as lp
+from labs import lab11_rankings as ranked
 from labs.lab11_ulysses import bytes_per_rank
 
 MODEL = pl.ModelSpec("long", layers=4, hidden=64, heads=8, seq=64, vocab=0, global_batch=4)
@@ -29,12 +30,13 @@ def test_cp_bytes_are_lab11s_count(cp, tp, b, e, acc):
         got = lp.cp_bytes_per_layer(MODEL, b, cp, design, tp=tp, element_bytes=e, accumulate_bytes=acc)
         want = bytes_per_rank(design, cp, b, MODEL.heads // tp, MODEL.seq, d, e, acc)
         assert got == want, (design, got, want)
-    # the all-gather design sends what the ring sends forward; backward a reduce-scatter of dK, dV
+    # the all-gather design sends what the ring sends forward; backward K and V gathered again (as
+    # torch's backward does: tests/test_lab11_context.py counts it) and a reduce-scatter of dK, dV
     ring = lp.cp_bytes_per_layer(MODEL, b, cp, "ring", tp=tp, element_bytes=e, accumulate_bytes=acc)
     gather = lp.cp_bytes_per_layer(MODEL, b, cp, "all-gather", tp=tp, element_bytes=e, accumulate_bytes=acc)
     assert gather["forward"] == ring["forward"]
     x = b * MODEL.heads // tp * MODEL.seq // cp * d
-    assert gather["backward"] == 2 * x * acc * (cp - 1) < ring["backward"]
+    assert gather["backward"] == gather["forward"] + 2 * x * acc * (cp - 1) < ring["backward"]
     assert lp.cp_bytes_per_layer(MODEL, b, 1, "ring") == {"forward": 0, "backward": 0}
 
 
@@ -77,12 +79,21 @@ def test_ring_block_and_its_time_on_the_cp_link():
     assert (inside["link"], across["link"]) == ("inside a node", "between nodes")
     message = lp.ring_block(MODEL, 2, 4, tp=2)["kv_bytes"]
     inter = pl.Link(1e-5, 1e8, 1e-4, False)
-    assert across["forward_s"] == pytest.approx(3 * pl.p2p_seconds(message, *inter))
-    assert across["backward_s"] == pytest.approx(across["forward_s"] + 4 * pl.p2p_seconds(2 * message, *inter))
-    assert across["step_compute_s"] == pytest.approx(block["flops"] / 1e9)
-    assert across["hidden"] == (across["step_compute_s"] >= across["step_transfer_s"])
+    step, accumulator = pl.p2p_seconds(message, *inter), pl.p2p_seconds(2 * message, *inter)
+    compute = block["flops"] / 1e9
+    assert across["step_compute_s"] == pytest.approx(compute) and across["step_transfer_s"] == pytest.approx(step)
+    assert across["hidden"] == (compute >= step)
+    # the ring's steps overlap their blocks: only what a step's transfer takes beyond its block is exposed
+    assert across["forward_s"] == pytest.approx(3 * max(0.0, step - compute))
+    assert across["backward_s"] == pytest.approx(3 * max(0.0, step + accumulator - 2 * compute) + accumulator)
+    assert across["transfer_s"] == pytest.approx(6 * step + 4 * accumulator)
+    slow = pl.ClusterSpec(**{**CLUSTER.__dict__, "inter_bytes_per_s": 1e5})        # a link too slow to hide
+    exposed = lp.cp_seconds_per_layer(MODEL, slow, 2, 4, "ring", tp=2)
+    assert not exposed["hidden"] and exposed["forward_s"] > 0
     gather = lp.cp_seconds_per_layer(MODEL, CLUSTER, 2, 4, "all-gather", tp=2)
     assert gather["forward_s"] == pytest.approx(pl.collective_seconds("all_gather", 4 * message, 4, *inter))
+    assert gather["backward_s"] == pytest.approx(gather["forward_s"] + pl.collective_seconds(
+        "reduce_scatter", 4 * 2 * message, 4, *inter)) and gather["transfer_s"] == gather["forward_s"] + gather["backward_s"]
     uly = lp.cp_seconds_per_layer(MODEL, CLUSTER, 2, 4, "ulysses", tp=2)
     x = 2 * 4 * c * 8
     assert uly["forward_s"] == pytest.approx(lp.all_to_all_seconds(3 * x * 2, 4, *inter)
@@ -150,13 +161,13 @@ def test_ep_link_and_seconds():
     rows = lp.all_to_all_seconds(100 * 2 * 16 * 2, 4, *intra)
     assert inside["forward_s"] == pytest.approx(lp.all_to_all_seconds(16 * 8, 4, *intra) + 2 * rows)
     assert inside["backward_s"] == pytest.approx(2 * rows)
-    assert lp.ep_seconds_per_layer(100, moe, 2, 16, CLUSTER, tp=4)["link"] == "between nodes"   # span tp ep = 8
+    assert lp.ep_seconds_per_layer(100, moe, 2, 16, CLUSTER, etp=4)["link"] == "between nodes"   # span etp ep = 8
     assert lp.expert_flops_per_layer(100, moe, 16) == 2 * 100 * 2 * 2 * 16 * 32
 
 
 def test_rankings_of_the_published_models():
     """Llama 3 at 128K and DeepSeek-V3's experts: every candidate that splits, what fits first, fastest first; the links as the layout says."""
-    rows = lp.rank_long_context()
+    rows = ranked.rank_long_context()
     assert rows and {r["cp"] for r in rows} == {1, 2, 4, 8, 16, 32}
     assert "ulysses" not in {r["design"] for r in rows}        # 8 kv heads over tp 8: one per rank
     fits = [r["fits"] for r in rows]
@@ -166,10 +177,26 @@ def test_rankings_of_the_published_models():
     assert all(r["cp link"] == "between nodes" for r in rows if r["cp"] > 1)     # tp 8 fills the node
     sixteen = [r for r in rows if r["cp"] == 16 and r["recompute"] == "selective"]
     assert all(r["activations GB/GPU"] == pytest.approx(sixteen[0]["activations GB/GPU"]) for r in sixteen)
-    moe_rows = lp.rank_moe()
+    moe_rows = ranked.rank_moe()
     by_ep = {r["ep"]: r for r in moe_rows}
     assert by_ep[8]["ep link"] == "inside a node" and by_ep[64]["ep link"] == "between nodes"
     assert by_ep[64]["experts/GPU"] == 4 and by_ep[64]["rows per expert"] == 4096 * 8 * 64 // 256
     assert by_ep[64]["all-to-all ms/layer"] > by_ep[64]["if inside a node ms"]
     times = [r["all-to-all ms/layer"] + r["experts ms/layer"] for r in moe_rows if r["fits"]]
     assert times == sorted(times)
+
+
+def test_long_context_summary_and_the_gap_verdict():
+    """The cp 1 row's longer step is put down to what makes it: the bubble here, busy time when fed that case."""
+    rows = ranked.rank_long_context()
+    lines = ranked.long_context_summary(rows, 16).lines
+    assert lines[0].startswith("fastest that fits: cp ") and "mostly the pipeline bubble" in lines[1]
+    assert "10 of its 10 rows" in lines[2]
+    slow = {"step s": 10.0, "bubble share": 0.1, "recompute": "full", "cp": 1, "micro-batches": 8}
+    fast = {"step s": 5.0, "bubble share": 0.1, "recompute": "selective", "cp": 8, "micro-batches": 8}
+    assert "mostly the stages' busy time" in ranked.step_gap_verdict(slow, fast, 4)
+    assert "mostly the pipeline bubble" in ranked.step_gap_verdict({**slow, "bubble share": 0.55}, fast, 4)
+    assert ranked.long_context_summary([{**rows[0], "fits": False}], 16).lines == [
+        "no configuration of the table fits in memory"]
+    moe = ranked.moe_summary(sorted(ranked.rank_moe(), key=lambda r: r["ep"])).lines
+    assert moe[0].startswith("ep groups inside a node (ep 8)") and moe[1].startswith("across nodes (ep 16 to 128)")

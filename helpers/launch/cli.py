@@ -1,18 +1,23 @@
 """What run.sh calls to run labs and scripts: `python -m helpers.launch.cli labs [NN]` or
 `python -m helpers.launch.cli script path/to/script.py [args...]`.
 
-Ranks per node come from NPROC (default: the GPU count when >= 2, else 2 on the CPU). Multi-node
-runs take NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT (torchrun's static rendezvous on node 0's
-address); a single node always uses torchrun --standalone, which picks a free port.
+A lab's sizes and ranks come from its run description (helpers/runs.py): `./run.sh NN` runs it at
+full size (smoke under COURSE_SMOKE=1), `./run.sh` runs every lab with `--preset tour`, its ranks
+forked from a warm launcher (helpers/launch/warm.py), so the whole tour ends within minutes. Ranks per node: the lab's RANKS when it needs an exact count, else
+NPROC, else the GPU count when >= 2, else 2 on the CPU; a lab that cannot run on the ranks NPROC
+asks for says so before anything starts, as do a script's bad arguments. Multi-node runs take
+NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT (torchrun's static rendezvous on node 0's address);
+a single node always uses torchrun --standalone, which picks a free port.
 """
 from __future__ import annotations
 
-import ast
+import importlib
 import os
 import re
 import sys
 from pathlib import Path
 
+from helpers import runs
 from helpers.config import ConfigError, settings
 from helpers.launch.torchrun import (REPO_ROOT, LaunchError, LaunchResult, default_nproc, launch,
                                      resolve_script)
@@ -51,32 +56,50 @@ def summary_row(lab: Path, nproc: int, nnodes: int, result: LaunchResult | None,
                 ranks=nproc * nnodes, seconds=round(seconds, 1), result="ok" if ok else "FAILED")
 
 
-def lab_nproc(lab: Path, default: int) -> int:
-    """Ranks for one lab: `default`, unless the lab declares `LAB_NPROC = N` at module level (it
-    needs N ranks, e.g. a 2 x 2 device mesh) and NPROC is not set (NPROC always wins). Read from
-    the lab's source (its syntax tree: importing it would import torch)."""
-    if settings().nproc is not None:
-        return default
-    for node in ast.parse(lab.read_text()).body:
-        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["LAB_NPROC"]
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)):
-            return node.value.value
-    return default
+def lab_plan(lab: Path, default: int, preset: str | None) -> tuple[int, list[str]]:
+    """(ranks, arguments) for one lab: from its run description (helpers/runs.py) when it has
+    one, with `--preset preset` when a preset is asked for; otherwise (a lab not yet converted)
+    `default` ranks, or its module-level `LAB_NPROC` when NPROC is not set, and no arguments.
+    A lab that does not import launches anyway, with the default ranks, to show its error."""
+    try:
+        module = importlib.import_module(f"labs.{lab.stem}")
+    except Exception:  # noqa: BLE001  (the launch will raise it, located, with the rank)
+        return default, []
+    description = runs.description(module)
+    if description is None:
+        declared = getattr(module, "LAB_NPROC", None)
+        return (declared if isinstance(declared, int) and settings().nproc is None else default), []
+    ranks = runs.ranks_for(description.preset(preset), default, lab=lab.stem)
+    return ranks, (["--preset", preset] if preset else [])
 
 
 def run_labs(selection: str | None) -> int:
     labs = discover_labs(selection)
     nproc, options = default_nproc(), multinode_options()
     nnodes = options.get("nnodes", 1)
+    # every lab: `./run.sh` takes the tour's sizes, `./run.sh NN` the full ones (smoke under
+    # COURSE_SMOKE=1, which the lab reads itself)
+    preset = "tour" if selection is None and not settings().smoke else None
+    plans = {}
+    for lab in labs:  # every lab's ranks checked before the first one starts
+        try:
+            plans[lab] = lab_plan(lab, nproc, preset)
+        except runs.RunError as err:
+            raise LaunchError(str(err)) from None
     cores = os.cpu_count() or 1
-    if nproc > cores:
-        print(f"note: {nproc} ranks on {cores} CPU cores: they will share cores and run slowly")
+    if max(ranks for ranks, _ in plans.values()) > cores:
+        print(f"note: up to {max(r for r, _ in plans.values())} ranks on {cores} CPU cores: "
+              "they will share cores and run slowly")
     rows = []
     for lab in labs:
-        ranks = lab_nproc(lab, nproc)
-        print(f"\n=== {lab.relative_to(REPO_ROOT)}: {ranks} rank(s) x {nnodes} node(s) ===", flush=True)
+        ranks, args = plans[lab]
+        print(f"\n=== {lab.relative_to(REPO_ROOT)}{' ' + ' '.join(args) if args else ''}: "
+              f"{ranks} rank(s) x {nnodes} node(s) ===", flush=True)
         try:
-            res = launch(lab, nproc=ranks, timeout=settings().lab_timeout, **options)
+            # the tour forks its ranks from a warm launcher, as the tests do: no torch import per
+            # launch (seconds each, over some 60 launches); ./run.sh NN starts them fresh
+            res = launch(lab, *args, nproc=ranks, timeout=settings().lab_timeout,
+                         fork_ranks=True if preset == "tour" else None, **options)
             rows.append(summary_row(lab, ranks, nnodes, res, res.seconds, True))
         except LaunchError as err:
             print(f"\n{err}", file=sys.stderr, flush=True)
@@ -92,8 +115,22 @@ def run_labs(selection: str | None) -> int:
 
 def run_script(script: str, args: list[str]) -> int:
     path = resolve_script(script)
+    nproc = default_nproc()
+    if path.parent == REPO_ROOT / "labs":
+        try:
+            description = runs.lab_description(path)
+        except Exception:  # noqa: BLE001  (the launch will raise it, located, with the rank)
+            description = None
+        if description is not None:
+            try:
+                config = description.from_argv(args)  # a bad flag is refused before any rank
+                nproc = runs.ranks_for(config, nproc, lab=path.stem)
+            except SystemExit as done:  # --help: argparse has printed it
+                return 0 if done.code in (0, None) else 2
+            except runs.RunError as err:
+                raise LaunchError(str(err)) from None
     try:
-        launch(path, *args, nproc=default_nproc(), timeout=settings().lab_timeout,
+        launch(path, *args, nproc=nproc, timeout=settings().lab_timeout,
                **multinode_options())
     except LaunchError as err:
         if err.result is None:

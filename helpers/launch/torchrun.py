@@ -11,7 +11,10 @@ sessions of their own, so they are left running. Here:
 
 - torchrun runs under a guard (`helpers.launch.procs`) in a new session; every line any rank prints is
   streamed, labelled with its global rank (`[rank2]:` on the second node of two);
-- on failure `LaunchError` names the rank that failed first and shows its traceback;
+- on failure `LaunchError` names the rank that failed first and shows its traceback: the earliest
+  of the ranks' error records and of the exceptions their exercises raised (recorded by
+  homework.watch in the tests' launches, also when the caller caught them), else torchrun's
+  "Root Cause";
 - on timeout or KeyboardInterrupt (interrupting the cell) torchrun *and* its workers are killed,
   and if the launching process itself dies (a kernel restarted while the cell runs is SIGKILLed)
   the guard kills them within a second;
@@ -75,6 +78,23 @@ class LaunchError(RuntimeError):
 
 
 @dataclass
+class RankException:
+    """An exception that left an exercise function in a rank, recorded as it left (homework.watch:
+    the tests' launches watch the exercises), whether or not the code that called it caught it."""
+    time: float
+    rank: int
+    exercise: str
+    text: str                   # its traceback, formatted
+    line: str = ""              # "IndexError: list index out of range"
+    where: str = ""             # "labs/lab04_ring.py:171 `chunks[recv].add_(x)`" (innermost in labs/)
+
+    @property
+    def summary(self) -> str:
+        """Its last line, and where in the labs it was raised."""
+        return _raised(self.text)
+
+
+@dataclass
 class LaunchResult:
     script: str
     nproc: int
@@ -82,6 +102,7 @@ class LaunchResult:
     seconds: float
     output: str
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    caught: list[RankException] = field(default_factory=list)  # oldest first
 
     @property
     def rank0(self) -> dict[str, Any]:
@@ -176,8 +197,13 @@ def launch(
             # (pytorch/pytorch#135712): give every attempt a fresh one.
             child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         start = time.perf_counter()
-        returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream,
-                                                    warm_start=fork_ranks)
+        try:
+            returncode, output, reason = _run_streaming(cmd, child_env, timeout, stream,
+                                                        warm_start=fork_ranks)
+        except BaseException as exc:  # interrupted (a test's timeout): what the ranks had raised
+            with contextlib.suppress(Exception):
+                exc.course_caught = _read_caught(results_dir)
+            raise
         seconds = time.perf_counter() - start
         if settings().launch_log:  # maintainers: where a test run's launches go
             with contextlib.suppress(OSError), open(settings().launch_log, "a") as log:
@@ -185,8 +211,9 @@ def launch(
                           f"{path.name} {' '.join(map(str, args))[:80]}\n")
         results = _read_results(results_dir)
         errors = _read_errors(results_dir)
+        caught = _read_caught(results_dir)
     result = LaunchResult(str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path),
-                          nproc, returncode, seconds, output, results)
+                          nproc, returncode, seconds, output, results, caught)
     if returncode != 0 and not reason and _teardown_abort(result, errors):
         # Every rank finished its work and met the others at the final barrier, then a process
         # died by SIGABRT while exiting: gloo occasionally aborts at interpreter exit with
@@ -198,18 +225,54 @@ def launch(
               file=sys.stderr, flush=True)
         return result
     if check and (returncode != 0 or reason):
-        rank, summary, frames = _first_error(errors, reason)
-        raise LaunchError(_failure_message(result, reason, errors), result, rank, summary, frames)
+        rank, summary, frames = _first_error(errors, reason, caught, output)
+        raise LaunchError(_failure_message(result, reason, errors, _first_cause(errors, caught, output)),
+                          result, rank, summary, frames)
     return result
 
 
-def _first_error(errors: list[tuple[float, int, str]], reason: str
+def _first_error(errors: list[tuple[float, int, str]], reason: str,
+                 caught: Sequence[RankException] = (), output: str = ""
                  ) -> tuple[int | None, str, list[str]]:
-    """(the rank that failed first, its exception's last line + where in labs/, its labs/ frames)."""
-    if not errors:
+    """(the rank that failed first, its exception's last line + where in labs/, its labs/ frames),
+    or (None, `reason`, []) when no rank is known to have failed (see _first_cause)."""
+    cause = _first_cause(errors, list(caught), output)
+    if cause is None:
         return None, reason, []
-    _, rank, text = errors[0]
-    return rank, _raised(text), lab_frames(text)
+    return cause[0], cause[3], lab_frames(cause[1])
+
+
+def _first_cause(errors: list[tuple[float, int, str]], caught: list[RankException], output: str
+                 ) -> tuple[int, str, str, str] | None:
+    """(rank, traceback, exercise or "", its line and where in the labs) of what went wrong
+    first: the earliest of the ranks' error records and of the exceptions their exercises raised
+    (a test may catch one and go on, until the ranks fall out of step and another rank dies of a
+    timeout: that rank's error is not the cause); without either, torchrun's "Root Cause" from
+    the output; None when there is none."""
+    found = [(stamp, rank, text, "", _raised(text)) for stamp, rank, text in errors] + \
+        [(c.time, c.rank, c.text, c.exercise, f"{c.line} at {c.where}" if c.line and c.where
+          else c.summary) for c in caught]
+    if found:
+        return min(found, key=lambda item: item[0])[1:]
+    root = _root_cause(output)
+    return (*root, _raised(root[1])) if root else None
+
+
+# torchrun's failure summary: "Root Cause (first observed failure):", then "  rank      : 0 ...",
+# then "  traceback : Traceback ..." indented by two spaces, up to a line of "="
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n(?P<body>.*?)\n=+", re.S)
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.M)
+
+
+def _root_cause(output: str) -> tuple[int, str, str] | None:
+    """(rank, traceback, "") of torchrun's "Root Cause" in a launch's output, when it shows one."""
+    match = _ROOT_CAUSE.search(output)
+    rank = _ROOT_RANK.search(match["body"]) if match else None
+    if not match or not rank or "traceback : Traceback" not in match["body"]:
+        return None
+    lines = match["body"].split("traceback : ", 1)[1].splitlines()
+    text = "\n".join([lines[0]] + [line[2:] if line.startswith("  ") else line for line in lines[1:]])
+    return int(rank.group(1)), text.strip() + "\n", ""
 
 
 # `  File "/path/labs/lab04_ring.py", line 171, in ring_all_reduce` (traceback.format_exception)
@@ -255,10 +318,14 @@ def _lab_frames(text: str, root: Path = REPO_ROOT) -> list[tuple[str, str, str, 
     return next((block for block in reversed(blocks) if block), [])
 
 
+# gloo's source position in front of its messages: "RuntimeError: [/__w/.../pair.cc:553] Connection..."
+_GLOO_PREFIX = re.compile(r"^(?P<kind>[\w.]+: )\[/[^\]]*\] ")
+
+
 def _raised(text: str) -> str:
     """The exception's line, with where in the labs it was raised when it was (not for a stub:
     its message names its file already)."""
-    last = text.strip().splitlines()[-1]
+    last = _GLOO_PREFIX.sub(r"\g<kind>", text.strip().splitlines()[-1])
     frames = _lab_frames(text)
     if not frames or "NotImplementedError: Exercise " in last:
         return last
@@ -387,6 +454,20 @@ def _read_results(folder: Path) -> dict[int, dict[str, Any]]:
     return dict(sorted(results.items()))
 
 
+def _read_caught(folder: Path) -> list[RankException]:
+    """The exceptions the ranks' exercises raised (homework.watch's records), oldest first."""
+    caught = []
+    for path in folder.glob("caught.rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+            caught.append(RankException(float(record["time"]), int(record["rank"]),
+                                        str(record["exercise"]), str(record["traceback"]),
+                                        str(record.get("line", "")), str(record.get("where", ""))))
+        except (OSError, ValueError, KeyError, TypeError):  # not a whole record: not ours to read
+            continue
+    return sorted(caught, key=lambda c: c.time)
+
+
 def _read_errors(folder: Path) -> list[tuple[float, int, str]]:
     errors = []
     for path in folder.glob("error.rank*.txt"):
@@ -398,13 +479,21 @@ def _read_errors(folder: Path) -> list[tuple[float, int, str]]:
     return sorted(errors)
 
 
-def _failure_message(result: LaunchResult, reason: str, errors: list[tuple[float, int, str]]) -> str:
+def _failure_message(result: LaunchResult, reason: str, errors: list[tuple[float, int, str]],
+                     cause: tuple[int, str, str, str] | None) -> str:
     head = f"{result.script} on {result.nproc} rank(s) "
     head += reason if reason else f"failed with exit code {result.returncode}"
     head += f" after {result.seconds:.1f} s"
-    if errors:
-        _, rank, text = errors[0]  # the first rank to fail is the cause; the others followed it
+    if cause:
+        rank, text, exercise, summary = cause  # the first rank to fail is the cause; the others followed
         tail = "\n".join(text.strip().splitlines()[-25:])
-        return f"{head}: rank {rank} raised {_raised(text)}\n--- rank {rank} traceback (end) ---\n{tail}"
+        message = f"{head}: rank {rank} raised {summary}"
+        if exercise:  # recorded as it left the exercise (its caller may have caught it)
+            message += f" (in {exercise})"
+        message += f"\n--- rank {rank} traceback (end) ---\n{tail}"
+        later = [(r, t) for _, r, t in errors if r != rank]  # what the others died of
+        if exercise and later:
+            message += f"\n--- then ---\nrank {later[0][0]} raised {_raised(later[0][1])}"
+        return message
     tail = "\n".join(result.output.strip().splitlines()[-25:])
     return f"{head}.\n--- last output ---\n{tail}"

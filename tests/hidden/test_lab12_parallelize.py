@@ -6,8 +6,10 @@ FSDP alone over 4, a pipeline of 2 stages over 2 FSDP replicas, a pipeline of 4 
 block each, tp 2 on a pipeline with whole logits), a wider model (8 heads, 3 blocks, an MLP width
 that is not 4h) with checkpointing, bf16 parameters and whole logits at once; every case checked
 for everything: what each rank holds, the FSDP units, what the norms see, the logits, the
-collectives of a step by mesh dimension, and training against one process. Clipping on meshes
-where a stage holds no parameter at all, or nothing needs clipping.
+collectives of a step by mesh dimension (the tp group's counted against what sequence parallelism
+needs), the FSDP units whole at once during a step, and training against one process. Clipping on
+meshes where a stage holds no parameter at all, or nothing needs clipping; a wrong norm is named by
+the misreading it matches.
 
 One launch on 4 ranks; this file is also its worker. The case runners are the public tests'
 (`run_case`, `clip_case`: the same measurements and comparisons).
@@ -22,7 +24,10 @@ from helpers.notice import stub_message
 from labs.lab12_parallelize import clip_grad_norm_, parallelize
 from tests.harness import launch_ranks
 from tests.public.test_lab12_parallelize import (BF16_LOSS_RTOL, LOSS_RTOL, PARAM_ATOL, case, clip,
-                                                 kept_next_to, not_in_bf16, run_worker)
+                                                 fsdp_units_problem, kept_next_to, norm_mistake,
+                                                 not_in_bf16, run_worker, scaling_problem,
+                                                 tp_traffic_problem, vocabulary_problem,
+                                                 whole_units_problem)
 
 NPROC = 4
 WIDER = {"dim": 64, "heads": 8, "layers": 3, "ffn": 96}
@@ -80,11 +85,39 @@ def test_what_each_rank_holds(results, name):
 @pytest.mark.exercise("parallelize")
 @pytest.mark.parametrize("name", list(CASES))
 def test_fsdp_units(results, name):
-    """Every block of the stage and the stage itself are FSDP units."""
+    """Every block of the stage, as model.layers holds it, and the stage itself are FSDP units."""
     for rep in case(results, name, trained=False):
-        units = set(rep["fsdp_units"])
-        expected = {""} | {f"layers.{k}" for k in rep["blocks"]}
-        assert expected <= units, f"rank {rep['rank']} ({name}): FSDP units {sorted(units)}, missing {sorted(expected - units)}"
+        problem = fsdp_units_problem(rep, name)
+        assert not problem, problem
+
+
+@pytest.mark.exercise("parallelize")
+@pytest.mark.parametrize("name", [n for n in CASES if shape(n)[2] > 1])
+def test_vocabulary_parallel(results, name):
+    """The embedding and the output layer are split over the vocabulary on tp."""
+    for rep in case(results, name, trained=False):
+        problem = vocabulary_problem(rep, name)
+        assert not problem, problem
+
+
+@pytest.mark.exercise("parallelize")
+@pytest.mark.points(2)
+@pytest.mark.parametrize("name", [n for n in CASES if shape(n)[2] > 1])
+def test_sequence_parallel_traffic(results, name):
+    """The tp group's all-gathers and reduce-scatters in a forward and a step, counted, are what sequence parallelism needs."""
+    for rep in case(results, name):
+        problem = tp_traffic_problem(rep, name)
+        assert not problem, problem
+
+
+@pytest.mark.exercise("parallelize")
+@pytest.mark.points(2)
+@pytest.mark.parametrize("name", [n for n in CASES if shape(n)[0] == 1 and shape(n)[1] > 1])
+def test_blocks_resharded_after_forward(results, name):
+    """During a step at most the root and one block are whole at once (measured)."""
+    for rep in case(results, name):
+        problem = whole_units_problem(rep, name)
+        assert not problem, problem
 
 
 @pytest.mark.exercise("parallelize")
@@ -171,10 +204,10 @@ def test_clip_norm_and_gradients(results, name):
         assert not r["dtensor"] and r["shape"] == [] and r["dtype"] == "torch.float32", (
             f"rank {rep['rank']} ({name}): returned {r}")
         assert rep["total"] == pytest.approx(rep["norm"], rel=1e-5), (
-            f"rank {rep['rank']} (stage {rep['pp_rank']}, {name}): norm {rep['total']:.6f}, expected {rep['norm']:.6f}")
+            f"rank {rep['rank']} (stage {rep['pp_rank']}, {name}): norm {rep['total']:.6f}, expected "
+            f"{rep['norm']:.6f}.{norm_mistake(rep, rep['total'])}")
         for param, error in rep["grad_errors"].items():
-            assert error <= 1e-5 * rep["scale"], (
-                f"rank {rep['rank']} ({name}): gradient of {param} off by {error:.2e} (coefficient {rep['coef']:.4f})")
+            assert error <= 1e-5 * rep["scale"], scaling_problem(rep, name, param, error)
 
 
 # ---------------------------------------------------------------------------------------- worker

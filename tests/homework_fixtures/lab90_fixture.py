@@ -18,6 +18,11 @@ def add_vectors(a: list[float], b: list[float]) -> list[float]:
     ### END SOLUTION
 
 
+def same_list(x: list, y: list) -> bool:
+    """The instrument the tests read: are `x` and `y` one list object (not equal lists)?"""
+    return x is y
+
+
 class RunningMean:
     """The mean of the values pushed so far."""
 

@@ -9,8 +9,9 @@ with an all-reduce (what DDP would do) and steps your ShardedOptimizer; each ran
 same model with the plain torch optimizer on the whole batch, in its own process: the reference.
 The cases: Adam, SGD with momentum, two parameter groups, a group added after two steps, an LR
 scheduler, a model of three tensors of uneven sizes with tied weights (the count does not divide
-by the ranks), a single tensor (a rank owns nothing); the stretch on the MLP and on the three
-tensors.
+by the ranks), a single tensor (a rank owns nothing), six tensors of very different sizes (where
+the owner rule, contiguous chunks of the list and round-robin give different shares); the stretch
+on the MLP and on the three tensors.
 
 Checked after every step: the parameters against the reference (atol 1e-5, rtol 1e-4: the two
 halves' gradients are added up in another order than the whole batch's), and bitwise equality of
@@ -82,6 +83,24 @@ class TiedThree(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx (B, T) -> logits (B, T, vocab)
         return self.out(torch.tanh(self.hidden(self.embed(idx))))
+
+
+class UnevenSizes(nn.Module):
+    """Six weight vectors of 500, 400, 300, 200, 100 and 50 elements, in that order; y (B, 1) =
+    sum_i x_i . tanh(w_i), x_i the i-th slice of x (B, 1550). On 2 ranks the owner rule gives the
+    ranks 800 and 750 elements, contiguous chunks of the list 1200 and 350, round-robin 900 and
+    650: the lists of equal-sized layers elsewhere cannot tell those rules apart."""
+    SIZES = (500, 400, 300, 200, 100, 50)
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weights = nn.ParameterList([nn.Parameter(0.1 * torch.randn(n, generator=g))
+                                         for n in self.SIZES])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        slices = x.split(list(self.SIZES), dim=-1)
+        return sum((s * torch.tanh(w)).sum(-1, keepdim=True) for s, w in zip(slices, self.weights))
 
 
 def seeded_linear(in_features: int, out_features: int, seed: int, bias: bool = False) -> nn.Linear:
@@ -392,6 +411,9 @@ CASES = {
     "one tensor": lambda: train_pair(
         seeded_linear(6, 1, seed=16), lambda m: list(m.parameters()), torch.optim.Adam,
         {"lr": 0.05}, make_batches(STEPS, 8, 6, 1, seed=17)),
+    "uneven sizes": lambda: train_pair(
+        UnevenSizes(seed=18), lambda m: list(m.parameters()), torch.optim.Adam, {"lr": 0.01},
+        make_batches(STEPS, 8, sum(UnevenSizes.SIZES), 1, seed=19)),
 }
 STRETCH_CASES = {
     "stretch adam": lambda: train_pair(make_mlp(seed=8), lambda m: list(m.parameters()),
@@ -556,10 +578,13 @@ def owner_loads(numels_per_group: list[list[int]], world_size: int) -> list[int]
 
 def misread_loads(numels: list[int], world_size: int) -> dict[str, list[int]]:
     """Elements per rank under the usual wrong rules, by name."""
-    chunk = -(-len(numels) // world_size)  # contiguous chunks, the last rank taking what is left
-    rules = {"round-robin by parameter count": [i % world_size for i in range(len(numels))],
-             "contiguous chunks of the list": [min(i // chunk, world_size - 1)
-                                               for i in range(len(numels))]}
+    n = len(numels)
+    floor, ceil = max(1, n // world_size), -(-n // world_size)
+    rules = {"round-robin by parameter count": [i % world_size for i in range(n)],
+             "contiguous chunks of the list (parameter i to rank i // (n // N), the last rank "
+             "taking the rest)": [min(i // floor, world_size - 1) for i in range(n)],
+             "contiguous chunks of the list (ceil(n / N) parameters each)": [
+                 min(i // ceil, world_size - 1) for i in range(n)]}
     out = {}
     for rule, owners in rules.items():
         load = [0] * world_size
@@ -646,7 +671,7 @@ def test_each_rank_holds_about_one_nth_of_the_state(ranks, name, moments):
     check_state_is_sharded(case_reports(ranks, name), name, moments, CASE_HINTS.get(name, ""))
 
 
-@pytest.mark.parametrize("name", ["adam", "three tensors, tied", "one tensor"])
+@pytest.mark.parametrize("name", ["adam", "three tensors, tied", "one tensor", "uneven sizes"])
 def test_owners_follow_the_documented_rule(ranks, name):
     """Owners follow the documented rule: largest parameter first, to the rank with the fewest elements."""
     check_owner_rule(case_reports(ranks, name), name, moments=2)

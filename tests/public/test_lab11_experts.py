@@ -154,14 +154,24 @@ def one_process(moe, xs: list, douts: list, rank: int, per_rank: int, calls: int
             "routed_rows": routed_rows, "dropped": dropped}
 
 
-def record_all_to_all(calls: list):
+class WrongGroup(RuntimeError):
+    """A collective issued on a group other than the layer's (raised before it runs: no rank hangs)."""
+
+
+def record_all_to_all(calls: list, group_size: int | None = None):
     """Inside the block every all_to_all_single (still run) appends to `calls` its dtype, size,
-    split sizes and the bytes it sends to the other ranks."""
+    split sizes and the bytes it sends to the other ranks; one issued on a group whose size is not
+    `group_size` (the layer's group) raises WrongGroup instead of running."""
     from helpers.comm_count import patched
 
     def make(original):
         def recorded(pg, output, inp, output_splits, input_splits, *args, **kwargs):
             size = pg.size()
+            if group_size is not None and size != group_size:
+                raise WrongGroup(
+                    f"all_to_all_single was called on a group of {size} rank(s), but this layer's group "
+                    f"(self.group) has {group_size}: every collective of the layer goes to self.group (the "
+                    "other ranks of the world are not in it and never make the matching call)")
             rows_in = inp.shape[0] if inp.dim() else inp.numel()
             in_splits = list(input_splits) or [rows_in // size] * size
             row_bytes = inp.nbytes // rows_in if rows_in else inp.element_size() * math.prod(inp.shape[1:])
@@ -195,25 +205,35 @@ def measure(moe, xs: list, douts: list, group, per_rank: int, calls: int = 1,
     try:
         layer = ExpertParallelMoE.from_dense(moe, group)
         first = rank * per_rank
-        seen = [[] for _ in layer.experts]
-        hooks = [e.register_forward_hook(lambda _m, inp, _o, j=j: seen[j].extend(inp[0][:, 0].tolist()))
-                 for j, e in enumerate(layer.experts)]
+        seen, expert_calls = [[] for _ in layer.experts], [0] * len(layer.experts)
+
+        def saw(j, rows):
+            seen[j].extend(rows[:, 0].tolist())
+            expert_calls[j] += 1
+        hooks = [e.register_forward_hook(lambda _m, inp, _o, j=j: saw(j, inp[0])) for j, e in enumerate(layer.experts)]
         x = xs[rank].clone()
         if transposed:   # the same values, stored transposed: a non-contiguous (T, hidden) view
             x = x.t().contiguous().t()
         x.requires_grad_(True)
         a2a = {"forward": [], "backward": []}
         with count_collectives() as fwd_log, count_p2p(forbid_collectives=False) as fwd_p2p, \
-                record_all_to_all(a2a["forward"]):
+                record_all_to_all(a2a["forward"], n):
             out = layer(x) if calls == 1 else torch.cat([layer(part) for part in x.tensor_split(calls)])
         for h in hooks:
             h.remove()
+        if n > 1 and not fwd_log:
+            rep["error"] = (f"SkippedCollective: this rank made no collective call in its forward ({len(x)} token(s)), "
+                            "while the other ranks of its group wait for it in theirs. A rank without tokens still "
+                            "takes part in every collective (it sends and receives zero rows), and so does a rank "
+                            "whose rows all stay local")
+            rep["traceback"], rep["a2a"] = "", a2a
+            return rep
         rep.update(out_shape=list(out.shape),
                    output=max_diff(out.detach(), expected["out"]),
                    ungated=max_diff(out.detach(), expected["ungated"]),
                    permuted=permutation_of(out.detach(), expected["out"]),
                    aux=abs(float(layer.aux_loss) - expected["aux"]) if hasattr(layer, "aux_loss") else None,
-                   requires_grad=out.requires_grad, seen=[len(s) for s in seen],
+                   requires_grad=out.requires_grad, seen=[len(s) for s in seen], expert_calls=expert_calls,
                    seen_ok=[sorted(s) == sorted(routed_rows[first + j]) for j, s in enumerate(seen)],
                    routed=[routed[first + j] for j in range(len(seen))],
                    fwd_kinds=[c.kind for c in fwd_log], fwd_p2p=len(fwd_p2p.messages))
@@ -222,7 +242,7 @@ def measure(moe, xs: list, douts: list, group, per_rank: int, calls: int = 1,
                                      "or the experts")
         else:
             with count_collectives() as bwd_log, count_p2p(forbid_collectives=False) as bwd_p2p, \
-                    record_all_to_all(a2a["backward"]):
+                    record_all_to_all(a2a["backward"], n):
                 (out * douts[rank]).sum().backward()
             rep.update(bwd_kinds=[c.kind for c in bwd_log], bwd_p2p=len(bwd_p2p.messages),
                        x_grad=float("inf") if x.grad is None else max_diff(x.grad, expected["x_grad"]),
@@ -257,15 +277,17 @@ def permutation_of(out: torch.Tensor, expected: torch.Tensor) -> bool:
 
 def worker() -> None:
     import torch.distributed as dist
-    from helpers.dist import distributed
+    from helpers.dist import distributed, new_group
 
     with distributed() as ctx:
-        groups = [dist.new_group(members) for members in SUBGROUPS]       # every rank, every group
+        groups = [new_group(members, name=f"experts of {members}") for members in SUBGROUPS]   # every rank, every group
         mine = next(g for g, members in zip(groups, SUBGROUPS) if ctx.rank in members)
         cases = {}
         for name in CASES:   # reported one by one: a case that crashes the ranks leaves the others
             cases[name] = run_case(name, mine if name == "subgroup" else None)
             ctx.report(cases=cases)
+            if cases[name].get("error", "").startswith("SkippedCollective"):
+                raise SystemExit(cases[name]["error"])    # the other ranks wait in a collective: end now
             dist.barrier()
 
 
@@ -301,6 +323,10 @@ def case(results: Ranks, name: str, ranks=None) -> list[dict]:
         reps = [results[r]["cases"][name] for r in ranks]
     except RankFailure as err:
         partial = results.partial
+        skipped = [c[name]["error"] for c in (partial.get(r, {}).get("cases", {}) for r in range(NPROC))
+                   if name in c and c[name].get("error", "").startswith("SkippedCollective")]
+        if skipped:
+            pytest.fail(f"case {name!r}: {skipped[0]}")
         if not all(name in partial.get(r, {}).get("cases", {}) for r in ranks):
             if "doesn't match expected size" in results.output:   # gloo's words, then it aborts
                 raise RankFailure(f"case {name!r}: {SPLITS_HINT} (The launch stopped: {err})") from None
@@ -310,7 +336,11 @@ def case(results: Ranks, name: str, ranks=None) -> list[dict]:
         reps = [partial[r]["cases"][name] for r in ranks]
     for rep in reps:
         if "error" in rep:
-            extra = (" all_to_all_single needs, on every rank, output_split_sizes that match what the "
+            extra = ("" if rep["error"].startswith(("WrongGroup", "SkippedCollective")) else
+                     " The counts are whole numbers: count rows per expert in an integer dtype "
+                     "(torch.bincount gives int64) and pass split sizes as Python ints."
+                     if "must be tuple of ints" in rep["error"] or "type float" in rep["error"] else
+                     " all_to_all_single needs, on every rank, output_split_sizes that match what the "
                      "others send: exchange the counts first." if "split" in rep["error"].lower() else
                      f" Probably {TIMEOUT_HINT}" if "imed out" in rep["error"] else "")
             pytest.fail(f"group rank {rep['rank']} ({name}): ExpertParallelMoE.forward raised "
@@ -354,6 +384,10 @@ def output_message(results, rep: dict, name: str) -> str:
         return what + ("The balanced case passes: with uneven split sizes, rank i's rows arrive as "
                        "one block per source rank, of the size that rank sent (the counts you "
                        "received), not of the size this rank sends, nor T k / N.")
+    if not all(rep.get("seen_ok", [True])):
+        return what + ("Some expert ran on rows that were not routed to it: rows arrive grouped by source "
+                       "rank, and inside each source's block by local expert (the counts you received say "
+                       "how many of each), not the other way round.")
     return what + ("Each token's output is the gate-weighted sum of the outputs of the experts it "
                    "was routed to, whichever rank holds them.")
 
@@ -403,12 +437,25 @@ def test_gradients_match_the_dense_layer(results, name):
             f"group rank {r} ({name}): the local experts' gradients differ by {rep['expert_grad']:.2e} from "
             "the dense experts' summed over every rank's tokens: the backward must bring each rank's "
             "gradient rows to the expert's owner (the all-to-all's backward)" + fix)
+        dispatch = rep["a2a"]["forward"][1]["sent"] if len(rep["a2a"]["forward"]) == 3 else None
+        if rep["router_grad"] >= tol and dispatch is not None and dispatch != expected_bytes(rep)[0]:
+            pytest.fail(f"group rank {r} ({name}): the router's gradient differs by {rep['router_grad']:.2e}, and the "
+                        f"dispatch sent {dispatch} bytes where the routing sends {expected_bytes(rep)[0]}: rows went "
+                        "where they were not routed (every token to every rank?), so the gates were computed, and "
+                        "their gradients collected, on other ranks' router copies. Send each kept (token, expert) "
+                        "choice to its expert's owner only, and apply the gates on the token's own rank")
+        assert rep["router_grad"] < tol, (
+            f"group rank {r} ({name}): the router's gradient differs by {rep['router_grad']:.2e}"
+            + (" (none reached it)" if rep["router_grad"] == float("inf") else "") + ": the gates "
+            "(routing.weights, differentiable: not detached) must multiply the returned rows, the router's "
+            "only path to the task loss" + fix)
+        backward_a2a = len(rep["a2a"]["backward"])
         assert rep["x_grad"] < tol, (
             f"group rank {r} ({name}): dL/dx differs by {rep['x_grad']:.2e}: the gradients of the rows "
-            "sent away must come back to their tokens (all_to_all in both directions)" + fix)
-        assert rep["router_grad"] < tol, (
-            f"group rank {r} ({name}): the router's gradient differs by {rep['router_grad']:.2e}: the "
-            "gates (routing.weights, differentiable) must multiply the returned rows" + fix)
+            "sent away must come back to their tokens (all_to_all in both directions)"
+            + (f"; the backward made {backward_a2a} all-to-all(s) where the two row exchanges make 2: a row "
+               "exchange went through a collective autograd cannot follow (dist.all_to_all_single itself): "
+               "send the rows with the lab's all_to_all, both ways" if backward_a2a < 2 else "") + fix)
 
 
 def test_aux_loss_recorded(results):
@@ -492,6 +539,20 @@ def test_each_expert_runs_only_on_the_rows_routed_to_it(results, name):
                 f"group rank {rep['rank']} ({name}): expert {e} ran on rows that were not routed to it: "
                 "rows arrive grouped by source rank, then by expert inside each source's block (the "
                 "counts say how many)")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_expert_runs_once_per_forward(results, name):
+    """Each local expert is called at most once per forward (its rows from every rank together), once if it has rows."""
+    for rep in case(results, name):
+        for j, (calls, routed) in enumerate(zip(rep["expert_calls"], rep["routed"])):
+            e = rep["rank"] * (rep["num_experts"] // rep["size"]) + j
+            assert calls <= rep["calls"] and (calls >= 1 or routed == 0), (
+                f"group rank {rep['rank']} ({name}): expert {e} was called {calls} times in {rep['calls']} forward(s)"
+                + (" although rows were routed to it" if calls == 0 else
+                   f": once per piece (one piece per source rank, {rep['size']} ranks). Run each local expert once "
+                   "per forward, on its pieces from every rank concatenated: one large matmul instead of N small "
+                   "ones (on a GPU, small matmuls leave it idle), and split its result back into the pieces' places"))
 
 
 def test_on_a_subgroup(results):

@@ -8,12 +8,16 @@ its worker. Each `parallelize` case builds a small ByteLM on the meta device (a 
 it where the mesh has pp > 1), calls parallelize on a (pp, dp, tp) mesh of the 4 ranks,
 materialises it (`to_empty`, `init_weights`) and records what each rank holds (every parameter's
 mesh, placements and local size, the FSDP units), what the norms and linear layers see in the
-first forward (input shapes, dtypes), the logits, what the forward keeps for the backward, and
-the collectives of a step by mesh dimension; then it trains a few AdamW steps (no clipping) and
-compares losses and parameters with one process that trained the whole model on the whole
-batches. Each `clip_grad_norm_` case gives every rank DTensor gradients of known full values
-(sharded over a (dp, tp) mesh, some stages of a pipeline each holding their own parameters) and
-compares the returned norm and the clipped gradients with the whole model's.
+first forward (input shapes, dtypes), the logits, what the forward keeps for the backward, the
+collectives of a step and of its forward by mesh dimension (helpers.traffic.TrafficMeter; the tp
+group's are held to what sequence parallelism needs) and the FSDP units whole at once during the
+step (labs/lab12_memory.py's UnitWatch, with their gathered bytes); then it trains a few AdamW
+steps (no clipping) and compares losses and parameters with one process that trained the whole
+model on the whole batches. Each `clip_grad_norm_` case gives every rank DTensor gradients of
+known full values (sharded over a (dp, tp) mesh, some stages of a pipeline each holding their own
+parameters) and compares the returned norm and the clipped gradients with the whole model's; a
+wrong norm, or the norm a wrong coefficient came from, is named by the misreading it equals
+(`wrong_norms`: a rank's own shards, norms added instead of squares, one stage alone...).
 """
 from __future__ import annotations
 
@@ -68,11 +72,13 @@ def run_case(shape, *, config: dict | None = None, loss_parallel: bool = True, b
     mesh = make_mesh(shape, device.type)
     pp_rank, dp_rank, tp_rank = (mesh[d].get_local_rank() for d in MESH_DIMS)
     rep: dict = {"shape": list(shape), "pp_rank": pp_rank, "dp_rank": dp_rank, "tp_rank": tp_rank,
-                 "rank": dist.get_rank(), "seq": cfg.seq, "layers": cfg.layers,
+                 "rank": dist.get_rank(), "seq": cfg.seq, "layers": cfg.layers, "loss_parallel": loss_parallel,
+                 "checkpointing": activation_checkpointing, "microbatches": microbatches if pp > 1 else 1,
                  "dp_tp_ranks": sorted(int(r) for r in mesh["dp", "tp"].mesh.flatten().tolist()),
                  "tp_ranks": sorted(int(r) for r in mesh["tp"].mesh.flatten().tolist()),
                  "dp_ranks": sorted(int(r) for r in mesh["dp"].mesh.flatten().tolist())}
     model = pipeline_stage(build_model(cfg), pp_rank, pp)
+    rep["parts"] = {part: getattr(model, part) is not None for part in ("tok_embeddings", "output")}
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     error = None
     try:
@@ -101,6 +107,8 @@ def run_case(shape, *, config: dict | None = None, loss_parallel: bool = True, b
     rep["params"] = params
     rep["fsdp_units"] = sorted(canonical_name(n) for n, m in model.named_modules() if isinstance(m, FSDPModule))
     rep["blocks"] = sorted(model.layers.keys())
+    # each block as it sits in model.layers: an FSDP unit itself, or a wrapper around one
+    rep["block_is_unit"] = {k: isinstance(b, FSDPModule) for k, b in model.layers.items()}
 
     seen: dict = {"norm_inputs": {}, "linear_dtypes": {}}
 
@@ -155,8 +163,9 @@ def _train(model, mesh, cfg, shape, device, loss_parallel, steps, microbatches) 
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
+    from helpers.memory import SavedTensorBytes
+    from helpers.traffic import TrafficMeter
     from labs.lab12_model import batch_at, corpus, lm_loss
-    from labs.lab12_train import MeshTraffic, SavedActivations
 
     pp, dp, tp = shape
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -173,11 +182,13 @@ def _train(model, mesh, cfg, shape, device, loss_parallel, steps, microbatches) 
     out: dict = {"losses": []}
     for step in range(steps):
         x, y = (t[dp_rank * rows:(dp_rank + 1) * rows].to(device) for t in batch_at(data, step, cfg.batch, cfg.seq))
-        traffic = MeshTraffic(mesh) if step == 1 else contextlib.nullcontext()
-        with traffic, context():
+        traffic = TrafficMeter(mesh) if step == 1 else contextlib.nullcontext()
+        forward = TrafficMeter(mesh) if step == 1 else contextlib.nullcontext()
+        watch = WholeUnits(model) if step == 1 else contextlib.nullcontext()
+        with traffic, watch, context():
             if schedule is None:
-                saved = SavedActivations() if step == 0 else contextlib.nullcontext()
-                with saved:
+                saved = SavedTensorBytes(skip_parameters=True) if step == 0 else contextlib.nullcontext()
+                with saved, forward:
                     logits = model(x)
                 if step == 0:
                     out["saved_bytes"] = saved.bytes
@@ -201,6 +212,9 @@ def _train(model, mesh, cfg, shape, device, loss_parallel, steps, microbatches) 
             optimizer.zero_grad()
         if step == 1:
             out["traffic"] = traffic.summary()
+            out["whole_units"] = watch.report()
+            if schedule is None:
+                out["forward_traffic"] = forward.summary()
         value = value if value is not None else torch.zeros((), device=device)
         if dp > 1 and (schedule is None or pp_rank == pp - 1):
             dist.all_reduce(value, group=mesh["dp"].get_group())
@@ -209,6 +223,31 @@ def _train(model, mesh, cfg, shape, device, loss_parallel, steps, microbatches) 
             dist.all_reduce(value, group=mesh["pp"].get_group())
         out["losses"].append(value.item())
     return out
+
+
+def WholeUnits(model):
+    """While active: the most FSDP units of `model` whole (gathered) at once during a step, and the
+    most bytes of gathered parameters they held (labs/lab12_memory.py's UnitWatch, which samples
+    before each unit's forward and backward, with each unit's gathered bytes)."""
+    from labs.lab12_memory import UnitWatch, gathered_bytes
+
+    class Watch(UnitWatch):
+        def __init__(self, model):
+            super().__init__(model)
+            self.sizes = {id(u): gathered_bytes(u) for u in self.units}     # the root first
+            self.most_bytes = 0
+
+        def _sample(self, *_):
+            whole = [u for u in self.units if any(g.is_unsharded for g in u._get_fsdp_state()._fsdp_param_groups)]
+            self.most_whole = max(self.most_whole, len(whole))
+            self.most_bytes = max(self.most_bytes, sum(self.sizes[id(u)] for u in whole))
+
+        def report(self) -> dict:
+            sizes = [self.sizes[id(u)] for u in self.units]
+            return {"most_whole": self.most_whole, "most_bytes": self.most_bytes, "units": len(self.units),
+                    "root_bytes": sizes[0] if sizes else 0, "largest_block_bytes": max(sizes[1:], default=0)}
+
+    return Watch(model)
 
 
 def _local(t):
@@ -299,6 +338,8 @@ def clip_case(shape, factor: float, no_grad_stages=(), seed: int = 0, params=CLI
         mine[n] = p
     rep = {"shape": list(shape), "pp_rank": pp_rank, "rank": dist.get_rank(), "norm": norm,
            "max_norm": max_norm, "coef": coef}
+    local_squares = sum(_local(p.grad).double().pow(2).sum().item() for p in mine.values() if p.grad is not None)
+    rep["wrong_norms"] = wrong_norms(full, params, have_grads, shape, pp_rank, local_squares)
     error = None
     try:
         total = clip_grad_norm_(list(mine.values()), max_norm,
@@ -319,12 +360,72 @@ def clip_case(shape, factor: float, no_grad_stages=(), seed: int = 0, params=CLI
         got = _full(p.grad)
         grad_errors[n] = (got.double() - full[n].double() * coef).abs().max().item()
     rep["grad_errors"] = grad_errors
+    rep["without_grads"] = sorted(n for n in mine if n not in have_grads)
+    # the factor each gradient was multiplied by (least squares against its full value before clipping)
+    rep["applied"] = {n: (_full(p.grad).double() * full[n].double()).sum().item() / full[n].double().pow(2).sum().item()
+                      for n, p in mine.items() if n in have_grads and p.grad is not None}
     rep["scale"] = max(full[n].abs().max().item() for n in have_grads)
     return rep
 
 
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def wrong_norms(full: dict, params: dict, have_grads: set, shape, pp_rank: int, local_squares: float) -> dict[str, float]:
+    """The totals that the misreadings of the global norm give on this rank, by what each is (the
+    keys of NORM_MISTAKES): from the gradients' full values, their placements and this rank's shards."""
+    pp, dp, tp = shape
+    sizes = {"dp": dp, "tp": tp}
+    stages = sorted({st % pp for _, _, st in params.values()})
+    sq = {n: full[n].double().pow(2).sum().item() for n in have_grads}
+    dtensors = {st: sum(v for n, v in sq.items() if params[n][2] % pp == st and params[n][1] is not None) for st in stages}
+    plain = {st: sum(v for n, v in sq.items() if params[n][2] % pp == st and params[n][1] is None) for st in stages}
+    stage = {st: dtensors[st] + plain[st] for st in stages}
+    copies = {n: (dp * tp if params[n][1] is None else
+                  math.prod(sizes[d] for d, pl in zip(("dp", "tp"), params[n][1]) if pl == "Replicate()")) for n in sq}
+    out = {"local shards": math.sqrt(local_squares),
+           "parameters' norms added": sum(math.sqrt(v) for v in sq.values()),
+           "squared": sum(stage.values()),
+           "replicas counted": math.sqrt(sum(copies[n] * v for n, v in sq.items())),
+           "plain left out": math.sqrt(sum(dtensors.values())),
+           "groups' norms added": math.sqrt(sum((math.sqrt(dtensors[st]) + math.sqrt(plain[st])) ** 2 for st in stages))}
+    if pp > 1:
+        out.update({"this stage": math.sqrt(stage.get(pp_rank, 0.0)),
+                    "stages' norms added": sum(math.sqrt(v) for v in stage.values()),
+                    "stages over every rank": math.sqrt(dp * tp * sum(stage.values()))})
+    return out
+
+
+NORM_MISTAKES = {   # what a total that equals one of wrong_norms' means
+    "local shards": "the norm of this rank's own pieces (to_local()): every rank holds shards, and the norm of "
+                    "its pieces is neither the model's nor the same on every rank; a DTensor's norm "
+                    "(get_total_norm on the DTensor gradients) sums the shards' squares over its mesh",
+    "parameters' norms added": "the parameters' norms added: norms do not add, their squares do "
+                               "(sqrt(a^2 + b^2), not a + b)",
+    "groups' norms added": "the DTensor gradients' norm and the plain tensors' norm added: norms do not add, "
+                           "their squares do (sqrt(a^2 + b^2), not a + b)",
+    "stages' norms added": "the stages' norms added over pp_group: norms do not add, their squares do: "
+                           "sum the stages' squared norms, then take the root",
+    "squared": "the sum of the squares without its square root",
+    "replicas counted": "every rank's squares summed over all ranks: a piece replicated on several ranks (a "
+                        "Replicate placement, a plain tensor) is then counted once per copy; a DTensor's norm "
+                        "counts it once, and only the stages (pp_group) remain to be summed",
+    "plain left out": "the norm of the DTensor gradients alone: the plain-tensor gradients count too (every "
+                      "rank of the stage holds the whole of each, so each counts once)",
+    "this stage": "this stage's norm alone: the other stages' gradients are on the other ranks of pp_group; "
+                  "sum the stages' squared norms over it",
+    "stages over every rank": "the stages' squared norms summed over every rank instead of over pp_group: each "
+                              "stage's is counted once per rank of its dp x tp grid",
+}
+
+
+def norm_mistake(rep: dict, value: float) -> str:
+    """' That is <what>.' when `value` equals one of the misreadings of this rank's case, else ''."""
+    for key, wrong in rep.get("wrong_norms", {}).items():
+        if wrong != pytest.approx(rep["norm"], rel=1e-4) and value == pytest.approx(wrong, rel=1e-4):
+            return f" That is {NORM_MISTAKES[key]}."
+    return ""
 
 
 # ---------------------------------------------------------------------------------------- launch
@@ -353,8 +454,9 @@ def case(results, name: str, trained: bool = True) -> list[dict]:
         failed = [rep for rep in reps if key in rep]
         if failed:
             rep = first_cause(failed, key)
+            layout = f" {unsplit_matrices(rep)}" if key == "train_error" and unsplit_matrices(rep) else ""
             pytest.fail(f"rank {rep['rank']} ({name}, mesh pp x dp x tp = {' x '.join(map(str, rep['shape']))}): "
-                        f"{rep[key]}.{hints(name, rep[key])}")
+                        f"{rep[key]}.{layout}{hints(name, rep[key])}")
     return reps
 
 
@@ -373,7 +475,8 @@ def hints(name: str, error: str) -> str:
                 "tensor-parallel activations was left out of the plan (the norms: SequenceParallel(); "
                 "the output layer: ColwiseParallel(input_layouts=Shard(1), ...)), or its input "
                 "layout does not match what the previous layer returns.")
-    if error.startswith("parallelize raised"):
+    if error.startswith("parallelize raised") and any(
+            word in error for word in ("DTensor", "mesh", "Mesh", "placement", "fully_shard", "FSDP")):
         out += (" Apply tensor parallelism first (parallelize_module on mesh['tp']), then "
                 "checkpointing, then fully_shard(..., mesh=mesh['dp']) per block and at the root: "
                 "fully_shard without mesh= shards over every rank, which torch refuses for "
@@ -402,8 +505,8 @@ def clip(results, name: str) -> list[dict]:
 SP = ("With sequence parallelism the activations between the layers are split along the sequence, "
       "so every RMSNorm must run on its rank's t / tp positions: SequenceParallel() on each norm, "
       "the embedding's output and each row-parallel layer's output split along the sequence "
-      "(output_layouts=Shard(1)), and each attention and MLP gathering the whole sequence at its "
-      "input (PrepareModuleInput, or input_layouts=Shard(1) on the column-parallel layers).")
+      "(output_layouts=Shard(1)), and each attention and MLP gathering the whole sequence once, at "
+      "its input, for all of its column-parallel layers.")
 
 
 def matrices(rep: dict) -> dict[str, dict]:
@@ -419,6 +522,133 @@ def kept_next_to(results, name: str, plain: str) -> list[tuple[dict, int]]:
 def not_in_bf16(rep: dict) -> dict[str, list]:
     """The linear layers that computed with weights of another dtype than bfloat16."""
     return {n: d for n, d in rep["linear_dtypes"].items() if d[1] != "bfloat16"}
+
+
+def tp_placement(entry: dict) -> str | None:
+    """A parameter's placement on the tp dimension (None: not split or replicated over tp)."""
+    return dict(zip(entry["dims"], entry["placements"])).get("tp")
+
+
+def unsplit_matrices(rep: dict) -> str:
+    """The matrices left out of the tensor-parallel plan (not on the tp dimension), named; "" if none."""
+    if rep["shape"][2] == 1 or "params" not in rep:
+        return ""
+    left = [n for n, e in matrices(rep).items() if tp_placement(e) is None]
+    return (f"Not split over tp: {', '.join(left)}: left out of the tensor-parallel plan, such a layer holds its "
+            "whole weight while its input is this rank's part (a row-parallel wo or w2 gets this rank's heads "
+            "or MLP columns; the output layer gets a DTensor)." if left else "")
+
+
+def vocabulary_problem(rep: dict, name: str) -> str | None:
+    """What is wrong with how the embedding and the output layer are split over tp, or None: both
+    must be split over the vocabulary (the rows of either weight: Shard(0) on tp)."""
+    if rep["shape"][2] == 1:
+        return None
+    for param, layer in (("tok_embeddings.weight", "embedding"), ("output.weight", "output layer")):
+        if param not in rep["params"]:
+            continue
+        entry = rep["params"][param]
+        placement = tp_placement(entry)
+        if placement == "Shard(dim=0)":
+            continue
+        who = f"rank {rep['rank']} ({name}): "
+        held = f" ({param}: placements {entry['placements']} on {entry['dims']})"
+        if placement is None:
+            return (f"{who}the {layer} is left out of the tensor-parallel plan{held}: every tp rank holds all "
+                    "of it and " + ("looks up whole vectors; split over the vocabulary (its rows), each tp rank "
+                                    "holds the rows of some tokens" if layer == "embedding" else
+                                    "computes every logit; loss_parallel() needs each tp rank to hold a slice of "
+                                    "the vocabulary (the weight's rows: column-parallel) and compute those logits"))
+        if layer == "embedding":
+            return (f"{who}the embedding is split by its columns (each tp rank a slice of every token's vector), "
+                    f"not over the vocabulary{held}. The contract asks for a vocabulary-parallel embedding: each tp "
+                    "rank holds the rows of some tokens, looks up those it holds (zeros for the others) and one "
+                    "reduce-scatter sums the ranks' lookups into sequence shards; split by columns, the vectors' "
+                    "slices are gathered instead, and the step's traffic changes")
+        return (f"{who}the output layer is row-parallel (split over its input width: every rank computes partial "
+                f"logits for the whole vocabulary, to be summed){held}; loss_parallel() needs it column-parallel: "
+                "each tp rank holds a slice of the vocabulary (the weight's rows) and computes those logits from "
+                "the gathered sequence")
+    return None
+
+
+def tp_expected(rep: dict) -> tuple[dict, dict]:
+    """(one forward's, one step's) all-gathers and reduce-scatters on tp that sequence parallelism
+    needs on this rank's stage. Per micro-batch's forward: an all-gather of the sequence into each
+    attention, each MLP and the output layer (with whole logits, one more of the vocabulary after
+    it), a reduce-scatter out of each attention, each MLP and the embedding; the backward carries
+    the gradient of each sequence gather as a reduce-scatter and of each reduce-scatter as an
+    all-gather (the vocabulary gather's gradient is a local slice)."""
+    blocks, parts, microbatches = len(rep["blocks"]), rep["parts"], rep["microbatches"]
+    into = 2 * blocks + parts["output"]
+    vocab = int(parts["output"] and not rep["loss_parallel"])
+    out_of = 2 * blocks + parts["tok_embeddings"]
+    return ({"all_gather": into + vocab, "reduce_scatter": out_of},
+            {"all_gather": microbatches * (into + vocab + out_of), "reduce_scatter": microbatches * (out_of + into)})
+
+
+def tp_traffic_problem(rep: dict, name: str) -> str | None:
+    """The tp group's all-gathers and reduce-scatters measured (helpers.traffic.TrafficMeter) in
+    one forward (without a pipeline) and one step (without checkpointing, whose recomputation
+    gathers again) against `tp_expected`; what is wrong, or None."""
+    if rep["shape"][2] == 1:
+        return None
+    forward, step = tp_expected(rep)
+    blocks = len(rep["blocks"])
+    checks = [] if rep["checkpointing"] else [("one training step", rep["traffic"], step)]
+    if rep["microbatches"] == 1:
+        checks.insert(0, ("one forward", rep["forward_traffic"], forward))
+    for what, traffic, want in checks:
+        calls = traffic.get("tp", {}).get("calls", {})
+        got = {kind: calls.get(kind, 0) for kind in want}
+        if got == want:
+            continue
+        ag, rs = got["all_gather"] - want["all_gather"], got["reduce_scatter"] - want["reduce_scatter"]
+        if not got["all_gather"] and not got["reduce_scatter"]:
+            why = ("None at all: the activations are not split along the sequence between the layers "
+                   f"(tensor parallelism without sequence parallelism: {calls.get('all_reduce', 0)} all-reduces instead)")
+        elif ag > 0 and rs == 0 and what == "one forward":
+            why = (f"{ag} all-gathers too many: a layer gathers the sequence for itself. Gathered once at the "
+                   "entry of attention and of the MLP, the whole sequence serves all their column-parallel "
+                   "layers, which otherwise each gather it again (wq, wk, wv, w1)")
+        elif ag == 1 and rs == -1 and rep["parts"]["tok_embeddings"] and what == "one forward":
+            why = ("The embedding's output is gathered instead of reduce-scattered: an embedding split by its "
+                   "columns gathers the slices of each vector; split over the vocabulary, a reduce-scatter sums "
+                   "the ranks' lookups straight into sequence shards")
+        else:
+            why = ("Each collective more or fewer is a layout that two neighbouring layers disagree on: DTensor "
+                   "redistributes between them by itself, silently")
+        return (f"rank {rep['rank']} ({name}): {what} made {got['all_gather']} all-gathers and {got['reduce_scatter']} "
+                f"reduce-scatters on the tp group, where sequence parallelism needs {want['all_gather']} and "
+                f"{want['reduce_scatter']}. {why}. (This stage: {blocks} block{'s' if blocks != 1 else ''}"
+                + (", the embedding" if rep["parts"]["tok_embeddings"] else "") + (", the output layer" if rep["parts"]["output"] else "")
+                + (f", {rep['microbatches']} micro-batches" if rep["microbatches"] > 1 else "")
+                + "; per forward one all-gather of the sequence into each attention, each MLP and the output layer, "
+                "one reduce-scatter out of each attention, each MLP and the embedding, and the backward the "
+                "reverse.)")
+    return None
+
+
+def whole_units_problem(rep: dict, name: str) -> str | None:
+    """Without a pipeline and with dp > 1: were more FSDP units whole at once during a step than the
+    root and one block (what resharding each block after its forward allows)? What is wrong, or
+    None. (A pipeline keeps every unit of its stage whole until the step's end anyway:
+    labs/lab12_memory.py.)"""
+    pp, dp, _ = rep["shape"]
+    if pp > 1 or dp == 1:
+        return None
+    w = rep["whole_units"]
+    limit = w["root_bytes"] + w["largest_block_bytes"]
+    if w["most_whole"] <= 2 and w["most_bytes"] <= limit:
+        return None
+    gathers = rep["traffic"].get("dp", {}).get("calls", {}).get("all_gather", 0)
+    return (f"rank {rep['rank']} ({name}): during one step {w['most_whole']} of the {w['units']} FSDP units were "
+            f"whole at once ({w['most_bytes']:,} bytes of gathered parameters), where FSDP needs at most the root "
+            f"and one block ({w['root_bytes']:,} + {w['largest_block_bytes']:,} = {limit:,} bytes): blocks kept "
+            "gathered after their forward (reshard_after_forward=False) stay whole until their backward, so at "
+            "the backward's start every block is whole on every dp rank and FSDP's saving on parameters is "
+            f"gone ({gathers} all-gathers on dp in the step). torchtitan keeps blocks whole only under a "
+            "pipeline, which keeps a stage's units whole anyway")
 
 
 # ----------------------------------------------------------------------- parallelize: placements
@@ -447,8 +677,9 @@ def test_every_parameter_is_split_over_dp_and_tp_only(results):
                 f"(placements {e['placements']} on {e['dims']}); with dp 2 x tp 2 each rank holds a "
                 "quarter: tensor parallelism splits it over the 2 tp ranks, FSDP splits each of those "
                 "halves over the 2 dp ranks. "
-                + ("Half: one of the two is missing (FSDP over mesh['dp'] per block and at the root, "
-                   "or the matrix left out of the tensor-parallel plan)." if e["local"] * 2 == e["global"]
+                + (("Half: it is not split over tp, left out of the tensor-parallel plan." if tp_placement(e) is None
+                    else "Half: it is not split over dp (FSDP, mesh['dp'], per block and at the root).")
+                   if e["local"] * 2 == e["global"]
                    else "FSDP over every rank splits each tp shard across its tp peers too: use mesh['dp']."))
 
 
@@ -474,17 +705,52 @@ def test_norm_weights_are_replicated_over_tp(results):
 
 
 @pytest.mark.exercise("parallelize")
-def test_fsdp_unit_per_block_and_root(results):
-    """fully_shard is applied to every block and to the model itself."""
+def test_embedding_split_over_the_vocabulary(results):
+    """The embedding is vocabulary-parallel: each tp rank holds the rows of some tokens (Shard(0) on tp)."""
     for rep in case(results, "dp2 x tp2", trained=False):
-        units = set(rep["fsdp_units"])
-        missing = [f"layers.{k}" for k in rep["blocks"] if f"layers.{k}" not in units]
-        assert "" in units, (f"rank {rep['rank']}: the model itself is not an FSDP module: "
-                             "fully_shard(model, mesh=mesh['dp']) last, after the blocks")
-        assert not missing, (
-            f"rank {rep['rank']}: blocks {missing} are not FSDP units (units: {sorted(units)}): with "
-            "one unit at the root, the whole model's parameters are gathered at once; fully_shard "
-            "each block, so one block's parameters are whole at a time")
+        problem = vocabulary_problem(rep, "dp2 x tp2")
+        assert not problem, problem
+
+
+@pytest.mark.exercise("parallelize")
+@pytest.mark.parametrize("name", ["dp2 x tp2", "dp2 x tp2, checkpointing"])
+def test_fsdp_unit_per_block_and_root(results, name):
+    """fully_shard is applied to every block as model.layers holds it (checkpointed or not) and to the model itself."""
+    for rep in case(results, name, trained=False):
+        problem = fsdp_units_problem(rep, name)
+        assert not problem, problem
+
+
+def fsdp_units_problem(rep: dict, name: str) -> str | None:
+    """The root and every block of model.layers, as it holds them, must be FSDP units: what is not, or None."""
+    units = set(rep["fsdp_units"])
+    missing = [f"layers.{k}" for k in rep["blocks"] if f"layers.{k}" not in units]
+    if "" not in units:
+        return (f"rank {rep['rank']} ({name}): the model itself is not an FSDP module: "
+                "fully_shard(model, mesh=mesh['dp']) last, after the blocks")
+    if missing:
+        return (f"rank {rep['rank']} ({name}): blocks {missing} are not FSDP units (units: {sorted(units)}): with "
+                "one unit at the root, the whole model's parameters are gathered at once; fully_shard "
+                "each block, so one block's parameters are whole at a time")
+    wrapped = sorted(k for k, is_unit in rep["block_is_unit"].items() if not is_unit)
+    if wrapped:
+        return (f"rank {rep['rank']} ({name}): model.layers holds blocks {wrapped} that are not FSDP units: "
+                "their unit sits inside a checkpoint wrapper, so checkpoint_wrapper was applied after "
+                "fully_shard. The contract wants each block, as model.layers holds it, to be its unit, "
+                "the checkpointed block inside it (torchtitan's order: checkpointing, then FSDP): FSDP's "
+                "gathering then wraps the block's whole forward, recomputation included, and FSDP's "
+                "per-unit controls (unshard(), set_modules_to_forward_prefetch, which torchtitan calls on "
+                "model.layers' blocks) are on the block the model holds")
+    return None
+
+
+@pytest.mark.exercise("parallelize")
+def test_blocks_resharded_after_forward(results):
+    """During a step at most the root and one block are whole at once (measured): FSDP's saving on parameters holds."""
+    for name in ("dp2 x tp2", "dp2 x tp2, checkpointing"):
+        for rep in case(results, name):
+            problem = whole_units_problem(rep, name)
+            assert not problem, problem
 
 
 # ---------------------------------------------------------------------- parallelize: activations
@@ -504,12 +770,8 @@ def test_norms_see_their_sequence_shard(results):
 def test_logits_split_over_the_vocabulary(results):
     """With loss_parallel, the output layer is column-parallel and the logits a DTensor Shard(2) on tp."""
     for rep in case(results, "dp2 x tp2", trained=False):
-        out = rep["params"]["output.weight"]
-        assert "tp" in out["dims"] and any("Shard(dim=0)" in p for p, d in zip(out["placements"], out["dims"]) if d == "tp"), (
-            f"rank {rep['rank']}: output.weight has placements {out['placements']} on {out['dims']}: "
-            "the output layer must be column-parallel on mesh['tp'] (each rank a slice of the "
-            "vocabulary), which is what loss_parallel() expects; left out of the plan, every tp rank "
-            "holds the whole output layer and computes every logit")
+        problem = vocabulary_problem(rep, "dp2 x tp2")
+        assert not problem, problem
     for rep in case(results, "dp2 x tp2"):
         logits = rep["logits"]
         assert logits["dtensor"] and logits["placements"] == ["Shard(dim=2)"], (
@@ -601,6 +863,15 @@ def test_gradients_reduced_over_dp_and_activations_over_tp(results):
             "the sequence before attention and the MLP and reduce-scatters after them")
 
 
+@pytest.mark.exercise("parallelize")
+@pytest.mark.parametrize("name", [n for n, (shape, _) in CASES.items() if shape[2] > 1])
+def test_sequence_parallel_traffic(results, name):
+    """The tp group's all-gathers and reduce-scatters in a forward and a step, counted, are what sequence parallelism needs."""
+    for rep in case(results, name):
+        problem = tp_traffic_problem(rep, name)
+        assert not problem, problem
+
+
 # ------------------------------------------------------------------------------ clip_grad_norm_
 @pytest.mark.exercise("clip_grad_norm_")
 @pytest.mark.parametrize("name", ["dp2 x tp2, clipped", "dp2 x tp2, below max_norm"])
@@ -614,24 +885,10 @@ def test_norm_over_every_shard(results, name):
             "norm is itself a DTensor: take its full_tensor())")
         assert rep["total"] == pytest.approx(rep["norm"], rel=NORM_RTOL), (
             f"rank {rep['rank']} ({name}): returned {rep['total']:.6f}, the whole gradient's norm is "
-            f"{rep['norm']:.6f}. Every rank holds shards: the norm of its local pieces (to_local()) "
-            "is not the model's, and ranks clipping by different norms end with different "
-            "models. The squares of all shards add up (a DTensor's norm does that over its mesh); "
-            "a replicated piece counts once, and so does a plain-tensor gradient (every rank holds "
-            "the whole of it).")
-
-
-@pytest.mark.exercise("clip_grad_norm_")
-@pytest.mark.parametrize("name", list(CLIP_CASES))
-def test_gradients_scaled_as_one_process(results, name):
-    """Every gradient ends as torch.nn.utils.clip_grad_norm_ leaves it for the whole model."""
-    for rep in clip(results, name):
-        for param, error in rep["grad_errors"].items():
-            assert error <= 1e-5 * rep["scale"], (
-                f"rank {rep['rank']} ({name}): gradient of {param} off by {error:.2e} after clipping: "
-                f"it should be multiplied by min(1, max_norm / norm) = {rep['coef']:.4f} (max_norm "
-                f"{rep['max_norm']:.4f}, norm {rep['norm']:.4f})"
-                + (" and left alone below max_norm" if rep["coef"] == 1.0 else ""))
+            f"{rep['norm']:.6f}." + (norm_mistake(rep, rep["total"]) or
+            " The squares of all shards add up (a DTensor's norm does that over its mesh); a "
+            "replicated piece counts once, and so does a plain-tensor gradient (every rank holds "
+            "the whole of it); ranks clipping by different norms end with different models."))
 
 
 @pytest.mark.exercise("clip_grad_norm_")
@@ -641,9 +898,40 @@ def test_norm_over_every_pipeline_stage(results, name):
     for rep in clip(results, name):
         assert rep["total"] == pytest.approx(rep["norm"], rel=NORM_RTOL), (
             f"rank {rep['rank']} (stage {rep['pp_rank']}, {name}): returned {rep['total']:.6f}, the whole "
-            f"model's gradient norm is {rep['norm']:.6f}. Each stage holds only its own parameters: "
-            "combine the stages over pp_group, and add their squared norms (norms themselves do "
-            "not add: sqrt(a^2 + b^2), not a + b); a stage without gradients still joins with 0")
+            f"model's gradient norm is {rep['norm']:.6f}." + (norm_mistake(rep, rep["total"]) or
+            " Each stage holds only its own parameters: combine the stages over pp_group, and add "
+            "their squared norms (norms themselves do not add: sqrt(a^2 + b^2), not a + b); a stage "
+            "without gradients still joins with 0"))
+
+
+@pytest.mark.exercise("clip_grad_norm_")
+@pytest.mark.parametrize("name", list(CLIP_CASES))
+def test_gradients_scaled_as_one_process(results, name):
+    """Every gradient ends as torch.nn.utils.clip_grad_norm_ leaves it for the whole model."""
+    for rep in clip(results, name):
+        for param, error in rep["grad_errors"].items():
+            assert error <= 1e-5 * rep["scale"], scaling_problem(rep, name, param, error)
+
+
+def scaling_problem(rep: dict, name: str, param: str, error: float) -> str:
+    """What a gradient scaled wrongly by clip_grad_norm_ was multiplied by, and what that means."""
+    applied = rep["applied"].get(param)
+    if param in rep["without_grads"]:
+        return (f"rank {rep['rank']} ({name}): {param} had no gradient and has one after clipping "
+                f"(largest entry {error:.2e}): a parameter without a gradient is skipped")
+    out = (f"rank {rep['rank']} ({name}): gradient of {param} off by {error:.2e} after clipping: it should be "
+           f"multiplied by min(1, max_norm / norm) = {rep['coef']:.4f} (max_norm {rep['max_norm']:.4f}, norm "
+           f"{rep['norm']:.4f})" + (" and left alone below max_norm" if rep["coef"] == 1.0 else ""))
+    if applied is None:
+        return out + ", and it has no gradient left"
+    out += f"; it was multiplied by {applied:.4f}"
+    if applied > 1 + 1e-4:
+        return out + ": a clipping coefficient is at most 1 (min(1, max_norm / norm)): below max_norm nothing changes"
+    if applied < 1 - 1e-4:
+        used = rep["max_norm"] / applied
+        return out + f", max_norm / {used:.4f}." + (norm_mistake(rep, used) or
+                                                   " The same coefficient, from the global norm, on every gradient of every rank")
+    return out + ": left as it was"
 
 
 # ---------------------------------------------------------------------------------------- worker
