@@ -17,13 +17,28 @@ Run:  ./run.sh labs/lab13_balance.py      (one process)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from helpers import pick
-from labs.lab13_model import MoEConfig, Router, default_config, imbalance, split, corpus, train_reference
+from helpers import runs
+from labs.lab13_model import (MoEConfig, Router, check_model, default_config, imbalance, split, corpus,
+                              train_reference)
 
-LAB_NPROC = 1
+
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The model (lab13_model.MODELS) and the steps each balancing trains, in one process."""
+    model: str = "full"
+    steps: int = 36
+    ranks: int | None = 1
+    SMOKE = dict(model="smoke", steps=6)
+
+    def __post_init__(self):
+        check_model(self.model)
+
+
 VARIANTS = {"none": {"bias_rate": 0.0, "aux_coef": 0.0},
             "Switch loss": {"bias_rate": 0.0, "aux_coef": 0.01},
             "bias (DeepSeek-V3)": {"aux_coef": 0.0}}        # the config's rate
@@ -59,13 +74,11 @@ def bias_chooses_only(router: Router, tokens: int = 64, seed: int = 0) -> dict:
             "max_gate_diff": (gates - expected).abs().max().item()}
 
 
-def balance_study(config: MoEConfig | None = None, steps: int | None = None) -> dict[str, dict]:
+def balance_study(config: MoEConfig, steps: int) -> dict[str, dict]:
     """Each of VARIANTS trained from the same weights on the same batches: per step the mean
     over MoE layers of the load imbalance (before that step's bias move) and the loss."""
     from helpers.bench import intra_op_threads
 
-    config = config or default_config()
-    steps = steps or pick(36, 6)
     data, _ = split(corpus())
     out = {}
     for name, changes in VARIANTS.items():
@@ -109,14 +122,29 @@ def balance_sentence(verdict: dict) -> str:
     return "; ".join(parts)
 
 
-def main() -> None:
+def run(ctx, cfg: Run) -> dict:
+    """Both studies on rank 0 (the other ranks, if any, return {})."""
+    if ctx.rank != 0:
+        return {}
+    config = default_config(cfg.model)
+    return {"bias_chooses_only": {kind.__name__: bias_chooses_only(kind(config)) for kind in (Router, BiasInGates)},
+            "verdict": balance_verdict(balance_study(config, cfg.steps))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from helpers.dist import distributed
     from helpers.show import table
 
-    config = default_config()
-    table([{"router": kind.__name__, **bias_chooses_only(kind(config))} for kind in (Router, BiasInGates)],
-          title="a bias towards expert 0: tokens that moved, and whether the gates stayed unbiased")
-    verdict = balance_verdict(balance_study(config))
-    table([{"balancing": k, **v} for k, v in verdict.items()], title="against no balancing, last third of the steps")
+    cfg = Run.from_argv(argv)
+    with distributed() as ctx:
+        out = run(ctx, cfg)
+        if not out:
+            return
+        ctx.report(**out)
+        table([{"router": k, **v} for k, v in out["bias_chooses_only"].items()],
+              title="a bias towards expert 0: tokens that moved, and whether the gates stayed unbiased")
+        table([{"balancing": k, **v} for k, v in out["verdict"].items()], title="against no balancing, last third of the steps")
+        print(balance_sentence(out["verdict"]), flush=True)
 
 
 if __name__ == "__main__":

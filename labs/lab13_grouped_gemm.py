@@ -25,10 +25,18 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 
-LAB_NPROC = 1        # one process: ./run.sh 13 runs it alone
 IMPLS = ("grouped", "loop", "padded")
+
+
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The comparison's routed (token, choice) rows and its timed rounds, in one process."""
+    tokens: int = 4096
+    rounds: int = 7
+    ranks: int | None = 1
+    SMOKE = dict(tokens=256, rounds=3)
 
 
 # ============================================================================ what it takes
@@ -58,10 +66,8 @@ def inside_grouped_mm(groups: int = 4) -> dict[str, int]:
     profiler ({"aten::mm": groups} on this CPU build: a loop inside the operator)."""
     from torch.profiler import profile
 
-    try:                                    # the profiler's C++ side prints to fd 2 on start and stop
-        from helpers.memory import quiet_stderr
-    except ImportError:
-        from labs.lab07_memory import _quiet_stderr as quiet_stderr
+    from helpers.memory import quiet_stderr  # the profiler's C++ side prints to fd 2 on start and stop
+
     x, w = torch.randn(8 * groups, 16), torch.randn(groups, 16, 16)
     offsets = torch.arange(8, 8 * groups + 1, 8, dtype=torch.int32)
     with quiet_stderr():
@@ -137,16 +143,14 @@ class GemmResult:
 
 def peak_bytes(fn) -> int:
     """Bytes allocated at the highest point while fn() runs, above the level before (the course's
-    CPU allocation trace: helpers.memory once it is there, lab 12's `peak_allocated` until then)."""
-    try:
-        from helpers.memory import peak_allocated
-    except ImportError:
-        from labs.lab12_train import peak_allocated
+    CPU allocation trace, helpers.memory.peak_allocated)."""
+    from helpers.memory import peak_allocated
+
     return peak_allocated(fn, torch.device("cpu"))
 
 
-def compare(tokens: int | None = None, dim: int = 64, ffn: int = 64, experts: int = 8, top_k: int = 2,
-            skew: float = 1.0, capacity_factor: float = 1.25, rounds: int | None = None,
+def compare(tokens: int, dim: int = 64, ffn: int = 64, experts: int = 8, top_k: int = 2,
+            skew: float = 1.0, capacity_factor: float = 1.25, rounds: int = 3,
             dtypes=(torch.float32, torch.bfloat16)) -> list[GemmResult]:
     """Each impl (and grouped in the other dtypes `_grouped_mm` takes) on the same routed tokens:
     forward + backward timed in rounds after a warm-up one, every impl once per round back to back
@@ -155,8 +159,7 @@ def compare(tokens: int | None = None, dim: int = 64, ffn: int = 64, experts: in
     from helpers.bench import intra_op_threads
 
     with intra_op_threads(1):      # one thread, as the ranks run (torchrun's OMP_NUM_THREADS=1)
-        return _compare(tokens or pick(4096, 256), dim, ffn, experts, top_k, skew, capacity_factor,
-                        rounds or pick(7, 3), dtypes)
+        return _compare(tokens, dim, ffn, experts, top_k, skew, capacity_factor, rounds, dtypes)
 
 
 def _compare(tokens, dim, ffn, experts, top_k, skew, capacity_factor, rounds, dtypes) -> list[GemmResult]:
@@ -245,13 +248,29 @@ def sentence(v: dict) -> str:
     return "; ".join(parts)
 
 
-def main() -> None:
+def run(ctx, cfg: Run) -> dict:
+    """What `_grouped_mm` takes here and the comparison, on rank 0 (the other ranks return {})."""
+    if ctx.rank != 0:
+        return {}
+    results = compare(cfg.tokens, rounds=cfg.rounds)
+    return {"support": support(), "inside": inside_grouped_mm(), "results": [asdict(r) for r in results],
+            "verdict": verdict(results)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from helpers.dist import distributed
     from helpers.show import table
 
-    table(support(), title="torch._grouped_mm on this machine (forward and backward)")
-    results = compare()
-    table([asdict(r) for r in results], title="the routed experts three ways, forward + backward")
-    print(sentence(verdict(results)), flush=True)
+    cfg = Run.from_argv(argv)
+    with distributed() as ctx:
+        out = run(ctx, cfg)
+        if not out:
+            return
+        ctx.report(**{k: v for k, v in out.items() if k != "results"})
+        table(out["support"], title="torch._grouped_mm on this machine (forward and backward)")
+        print(f"one _grouped_mm over 4 groups runs, inside: {out['inside']}", flush=True)
+        table(out["results"], title="the routed experts three ways, forward + backward")
+        print(sentence(out["verdict"]), flush=True)
 
 
 if __name__ == "__main__":

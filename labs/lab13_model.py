@@ -39,10 +39,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import pick
+from helpers import runs
 from labs.lab12_model import LMConfig, batch_at, corpus, init_value, lm_loss, split  # noqa: F401
 
-LAB_NPROC = 1        # ./run.sh 13 runs this file on one rank: the one-process reference
 EXPERT_IMPLS = ("grouped", "loop")
 
 
@@ -61,13 +60,36 @@ class MoEConfig(LMConfig):
     impl: str = "grouped"         # the experts' kernel: "grouped" (_grouped_mm) or "loop"
 
 
-def default_config(**changes) -> MoEConfig:
-    """The lab's model (smoke mode: a smaller one), with `changes` applied."""
-    base = pick(MoEConfig(dim=64, heads=4, kv_heads=2, layers=4, ffn=128, seq=64, batch=8, experts=8,
-                          expert_ffn=32, shared_ffn=32, max_norm=math.inf),
-                MoEConfig(dim=32, heads=4, kv_heads=2, layers=2, ffn=64, seq=32, batch=4, experts=8,
-                          expert_ffn=16, shared_ffn=16, max_norm=math.inf))
+# the lab's model at each size: every lab 13 Run's `model` field names one
+MODELS = {"full": MoEConfig(dim=64, heads=4, kv_heads=2, layers=4, ffn=128, seq=64, batch=8, experts=8,
+                            expert_ffn=32, shared_ffn=32, max_norm=math.inf),
+          "smoke": MoEConfig(dim=32, heads=4, kv_heads=2, layers=2, ffn=64, seq=32, batch=4, experts=8,
+                             expert_ffn=16, shared_ffn=16, max_norm=math.inf)}
+
+
+def default_config(model: str | None = None, **changes) -> MoEConfig:
+    """MODELS[model] (default: the run's mode, helpers.runs.mode(): smoke under COURSE_SMOKE=1),
+    with `changes` applied."""
+    base = MODELS[model or runs.mode()]
     return MoEConfig(**{**base.as_dict(), **changes})
+
+
+def check_model(name: str) -> None:
+    """A Run's `model` field: one of MODELS (a ValueError naming them before anything starts)."""
+    if name not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
+
+
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The one-process reference (on rank 0): the model (MODELS) trained for `steps` steps."""
+    model: str = "full"
+    steps: int = 100
+    ranks: int | None = 1
+    SMOKE = dict(model="smoke", steps=5)
+
+    def __post_init__(self):
+        check_model(self.model)
 
 
 # ============================================================================= attention
@@ -376,24 +398,33 @@ def imbalance(load) -> float:
     return max(load) / mean if mean else 1.0
 
 
-def main() -> None:
+def run(ctx, cfg: Run) -> dict:
+    """The reference trained on rank 0 (the other ranks, if any, return {})."""
+    if ctx.rank != 0:
+        return {}
+    config = default_config(cfg.model)
+    train, _ = split(corpus())
+    trained = train_reference(config, cfg.steps, train)
+    return {"config": config.as_dict(), "losses": trained["losses"], "parameters": parameter_count(config),
+            "imbalance": {k: imbalance(v) for k, v in trained["loads"][-1].items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
     from helpers.dist import distributed
     from helpers.show import table
 
-    config = default_config()
-    steps = pick(100, 5)
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        if ctx.rank != 0:
+        out = run(ctx, cfg)
+        if not out:
             return
-        train, _ = split(corpus())
-        run = train_reference(config, steps, train)
-        counts = parameter_count(config)
-        ctx.report(config=config.as_dict(), losses=run["losses"], parameters=counts)
-        table([config.as_dict()], title="MoEConfig")
+        ctx.report(**out)
+        counts, losses = out["parameters"], out["losses"]
+        table([out["config"]], title="MoEConfig")
         print(f"{counts['total']:,} parameters, {counts['active']:,} active per token; loss "
-              f"{run['losses'][0]:.3f} -> {run['losses'][-1]:.3f} in {steps} steps; last step's load "
+              f"{losses[0]:.3f} -> {losses[-1]:.3f} in {cfg.steps} steps; last step's load "
               f"imbalance (max/mean) per MoE layer: "
-              f"{ {k: round(imbalance(v), 2) for k, v in run['loads'][-1].items()} }", flush=True)
+              f"{ {k: round(v, 2) for k, v in out['imbalance'].items()} }", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,18 +24,19 @@ lab13_context.py), `expert_parallel` (labs/lab13_experts.py).
 from __future__ import annotations
 
 import datetime
+import weakref
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from helpers import runs
 from labs.lab12_parallelize import pipeline_stage  # noqa: F401  (a stage of the model, lab 12's)
 from labs.lab13_context import context_parallel, cp_positions  # noqa: F401
 from labs.lab13_experts import expert_parallel, expert_tensor_parallel  # noqa: F401
-from labs.lab13_model import MoELM
-
-LAB_NPROC = 4
+from labs.lab13_model import MoELM, check_model
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
@@ -68,19 +69,31 @@ class Mesh5D:
         return {d: self.root[d].size() for d in DIMS}
 
 
+# default group -> {(device type, sizes): Mesh5D}. Keyed by the group object itself, weakly: a
+# default group destroyed and made again is a new object (an id() could be reused, a stale mesh).
+_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def make_mesh(device_type: str, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1,
               tp: int = 1) -> Mesh5D:
     """The 5-D mesh over every rank (helpers.dist.device_mesh: short timeouts) with the flattened
-    dimensions of FLATTENED, whose groups get the same short timeout."""
+    dimensions of FLATTENED, whose groups get the same short timeout. A mesh of the same sizes is
+    made once and reused: every rank takes part in making each group of each dimension (36 groups
+    for a mesh of 8 ranks), which costs seconds on a busy machine."""
     from helpers.dist import device_mesh, timeout_seconds
 
+    made = _MESHES.setdefault(dist.group.WORLD, {})
+    key = (device_type, pp, dp_replicate, dp_shard, cp, tp)
+    if key in made:
+        return made[key]
     root = device_mesh(device_type, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
     timeout = datetime.timedelta(seconds=timeout_seconds())
     c10d = dist.distributed_c10d
     with mock.patch.object(c10d, "default_pg_timeout", timeout), \
             mock.patch.object(c10d, "default_pg_nccl_timeout", timeout):
         flattened = {name: root[dims]._flatten(name) for name, dims in FLATTENED.items()}
-    return Mesh5D(root, flattened)
+    made[key] = Mesh5D(root, flattened)
+    return made[key]
 
 
 def layout_name(sizes: dict[str, int]) -> str:
@@ -217,28 +230,53 @@ def placements(model: nn.Module) -> dict[str, dict]:
     return out
 
 
-def run(ctx, sizes: dict | None = None) -> dict:
-    """What this rank holds on a small mesh (default: dp_shard 2 x cp 2 on 4 ranks, or cp over
-    every rank), or {"unsolved": ...} while `parallelize` is a stub."""
+def parse_mesh(text: str) -> dict[str, int]:
+    """"dp_shard=2,cp=2" -> {"dp_shard": 2, "cp": 2}; a dimension not in DIMS is a ValueError."""
+    sizes = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        name, _, value = part.partition("=")
+        if name not in DIMS or not value.isdigit():
+            raise ValueError(f"--mesh: {part!r} is not DIM=SIZE with DIM one of {', '.join(DIMS)}")
+        sizes[name] = int(value)
+    return sizes
+
+
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """What each rank holds after `parallelize` on `mesh` ("dp_shard=2,cp=2"; empty: dp_shard 2 x
+    cp 2 on 4 ranks, or cp over every rank), with the model `model` (lab13_model.MODELS)."""
+    model: str = "full"
+    mesh: str = ""
+    ranks: int | None = 4
+    SMOKE = dict(model="smoke")
+
+    def __post_init__(self):
+        check_model(self.model)
+        parse_mesh(self.mesh)
+
+
+def run(ctx, cfg: Run) -> dict:
+    """What this rank holds on cfg's mesh, or {"unsolved": ...} while `parallelize` is a stub."""
     from helpers.notice import attempt
     from labs.lab13_model import build_model, default_config
 
-    sizes = sizes or ({"dp_shard": 2, "cp": ctx.world_size // 2} if ctx.world_size % 2 == 0 and ctx.world_size > 2
-                      else {"cp": ctx.world_size})
+    sizes = parse_mesh(cfg.mesh) or ({"dp_shard": 2, "cp": ctx.world_size // 2}
+                                     if ctx.world_size % 2 == 0 and ctx.world_size > 2 else {"cp": ctx.world_size})
     mesh = make_mesh(ctx.device.type, **sizes)
 
     def place():
-        model = parallelize(build_model(default_config(), ctx.device), mesh)
+        model = parallelize(build_model(default_config(cfg.model), ctx.device), mesh)
         return placements(model)
     return {"sizes": sizes, "layout": layout_name(sizes), "placements": attempt(place)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from helpers.dist import distributed
     from helpers.show import table
 
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = run(ctx)
+        out = run(ctx, cfg)
         ctx.report(**out)
         if ctx.rank == 0 and "unsolved" not in out["placements"]:
             table([{"parameter": n, "global": e["global"], "rank 0 holds": e["local"], "mesh": " x ".join(e["mesh"]),

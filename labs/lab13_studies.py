@@ -2,8 +2,8 @@
 group, each part's result reported under its name ({"unsolved": ...} while `parallelize` is a
 stub).
 
-Run:  ./run.sh 13      (alone: NPROC=8 ./run.sh labs/lab13_studies.py, or NPROC=4; the notebook
-                        runs it on 8 ranks, 4 in smoke mode)
+Run:  ./run.sh 13      (alone: ./run.sh labs/lab13_studies.py, on 8 ranks, or with --ranks 4 on the
+                        4-rank meshes; the notebook runs it on 8 ranks, 4 in smoke mode)
 
 Parts (`MESHES` says which mesh each uses on 8 and on 4 ranks):
 - "composed": the grown-up model on the 5-D mesh against one process, then training on;
@@ -24,17 +24,18 @@ import contextlib
 import itertools
 import math
 import time
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed
 from helpers.notice import attempt
-from labs.lab13_model import corpus, default_config, split
+from labs.lab13_model import check_model, corpus, default_config, split
+from labs.lab13_chooser import chooser
 from labs.lab13_train import Trainer, check_run, traffic_meter
 
-LAB_NPROC = 8
 PEAK_SAME = 0.02     # peaks within 2% of each other: the same (the allocator's and gloo's buffers)
 MESHES = {
     8: {"composed": {"dp_shard": 2, "cp": 2, "tp": 2}, "pipelined": {"pp": 2, "dp_shard": 2, "cp": 2},
@@ -187,7 +188,7 @@ def cp_study(ctx: DistContext, sizes: dict, config=None) -> list[dict]:
     label = dimension_label("cp", sizes)
     rows = []
     for kv_heads, design in itertools.product((config.heads, config.kv_heads), ("ring", "ulysses")):
-        cfg = default_config(kv_heads=kv_heads)
+        cfg = replace(config, kv_heads=kv_heads)
         run = check_run(ctx, sizes, config=cfg, steps=1, design=design, traffic_step=0)
         layout = Layout(**{k: v for k, v in sizes.items()})
         planned = per_dimension(step_calls(layout, MoEShape.from_config(cfg), design=design), layout.sizes)
@@ -223,34 +224,6 @@ def gqa_sentence(effect: dict) -> str:
             f"with multi-head attention, {effect['less']['grouped']} with grouped-query attention")
 
 
-# ============================================================================ the chooser
-def chooser(ctx: DistContext, rounds: int | None = None, config=None) -> dict:
-    """This machine measured; every layout of the ranks ranked on it; the top two (whose traffic
-    the planner counts) built and stepped alternately, `rounds` timed steps each after a warm-up;
-    each round's time is its slowest rank's."""
-    from labs.lab13_planner import MoEShape, measure_machine, rank_layouts, this_machine
-
-    config = config or default_config()
-    rounds = rounds or pick(4, 2)
-    machine = measure_machine(ctx, config)
-    ranking = rank_layouts(MoEShape.from_config(config), this_machine(machine, ctx.world_size), ctx.world_size)
-    top = [r["sizes"] for r in ranking[:2]]
-    data, _ = split(corpus())
-    trainers = [Trainer(ctx, config, sizes) for sizes in top]
-    times: list[list[float]] = [[], []]
-    for step in range(rounds + 1):
-        for i, trainer in enumerate(trainers):
-            ctx.barrier()
-            start = time.perf_counter()
-            trainer.step(data, step)
-            seconds = torch.tensor(time.perf_counter() - start)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-            if step:
-                times[i].append(seconds.item())
-    names = [r["layout"] for r in ranking[:2]]
-    return {"machine": machine, "ranking": ranking, "top": names, "measured": dict(zip(names, times))}
-
-
 # ============================================================================ the run
 PARTS = ("composed", "pipelined", "reshard", "hsdp", "cp", "chooser")
 
@@ -264,29 +237,53 @@ def unsolved(world_size: int, message: str) -> dict:
     return {rank: one for rank in range(world_size)}
 
 
-def run(ctx: DistContext, parts=PARTS) -> dict:
-    """Every part on this world size's meshes (`MESHES`), each under `attempt`."""
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The launch: `parts` (of PARTS) on the meshes of the ranks (MESHES: 8, or 4), the model
+    `model` (lab13_model.MODELS), the composed run's `steps` (the first `check_steps` checked
+    against one process) and the chooser's timed `rounds` per layout."""
+    model: str = "full"
+    steps: int = 30
+    check_steps: int = 4
+    rounds: int = 4
+    parts: tuple[str, ...] = PARTS
+    ranks: int | None = 8
+    SMOKE = dict(model="smoke", steps=3, check_steps=3, rounds=2, ranks=4)
+    EXACT_RANKS = True
+
+    def __post_init__(self):
+        check_model(self.model)
+        unknown = sorted(set(self.parts) - set(PARTS))
+        if unknown:
+            raise ValueError(f"--parts: no part(s) {unknown}; the parts are {', '.join(PARTS)}")
+        if self.ranks not in MESHES:
+            raise ValueError(f"lab 13's studies run on 4 or 8 ranks, not {self.ranks}")
+
+
+def run(ctx: DistContext, cfg: Run) -> dict:
+    """cfg's parts on this world size's meshes (`MESHES`), each under `attempt`."""
     m = meshes(ctx.world_size)
-    steps, check = pick(30, 3), pick(4, 3)
+    config = default_config(cfg.model)
     plan = {
-        "composed": lambda: check_run(ctx, m["composed"], steps=steps, check_steps=check),
-        "pipelined": lambda: check_run(ctx, m["pipelined"], steps=3),
-        "reshard": lambda: reshard_study(ctx, m["pipelined"]),
-        "hsdp": lambda: hsdp_study(ctx, m["hsdp"], m["flat"]),
-        "cp": lambda: cp_study(ctx, m["cp"]),
-        "chooser": lambda: chooser(ctx),
+        "composed": lambda: check_run(ctx, m["composed"], config=config, steps=cfg.steps, check_steps=cfg.check_steps),
+        "pipelined": lambda: check_run(ctx, m["pipelined"], config=config, steps=3),
+        "reshard": lambda: reshard_study(ctx, m["pipelined"], config),
+        "hsdp": lambda: hsdp_study(ctx, m["hsdp"], m["flat"], config),
+        "cp": lambda: cp_study(ctx, m["cp"], config),
+        "chooser": lambda: chooser(ctx, cfg.rounds, config),      # labs/lab13_chooser.py
     }
     out = {"meshes": m, "axes": {k: axes(v) for k, v in m.items()}}
-    for part in parts:
+    for part in cfg.parts:
         start = time.perf_counter()
         out[part] = attempt(plan[part])
         out.setdefault("seconds", {})[part] = time.perf_counter() - start
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = run(ctx)
+        out = run(ctx, cfg)
         ctx.report(**out)
         if ctx.rank == 0:
             print({part: f"{s:.1f} s" for part, s in out["seconds"].items()}, flush=True)

@@ -17,31 +17,29 @@ homework is the global norm). One process trains the same model on the same whol
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from helpers import pick
+from helpers import runs
 from helpers.dist import DistContext, distributed, synchronize
+from helpers.runs import LOSS_RTOL, PARAM_ATOL
 from helpers.tensors import divide
 from labs.lab12_model import canonical_name
 from labs.lab13_context import cp_positions, shard_sequence
 from labs.lab13_experts import expert_slices
-from labs.lab13_model import (MoEConfig, batch_at, build_model, corpus, default_config, lm_loss, model_loss,
-                              split, train_reference)
-from labs.lab13_parallelize import FLATTENED, layout_name, make_mesh, parallelize, pipeline_stage
+from labs.lab13_model import (MoEConfig, batch_at, build_model, check_model, corpus, default_config, lm_loss,
+                              model_loss, split, train_reference)
+from labs.lab13_parallelize import FLATTENED, layout_name, make_mesh, parallelize, parse_mesh, pipeline_stage
 
-LAB_NPROC = 8
-# Against one process in float32: shards, micro-batches and collectives add in other orders (~1e-7
-# relative per op); AdamW's division by sqrt(v) magnifies that for weights with tiny gradients.
-LOSS_RTOL = 1e-4
+# Against one process in float32: the course's LOSS_RTOL and PARAM_ATOL (helpers/runs.py), and the
+# first step's gradients, which no optimizer step has yet magnified, within GRAD_ATOL.
 GRAD_ATOL = 1e-5
-PARAM_ATOL = 1e-4
 
 
 # ================================================================================ one rank's run
@@ -200,59 +198,11 @@ def _piece(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 # ====================================================================== collectives by dimension
 def traffic_meter(mesh):
-    """The course's traffic instrument on `mesh`: helpers.traffic.TrafficMeter once it is there;
-    until then lab 12's MeshTraffic, told the flattened dimensions' ranks (`.calls[dim][kind]`,
-    `.bytes[dim][kind]`, `.sent[dim]`, `.summary()` in both)."""
-    try:
-        from helpers.traffic import TrafficMeter
-    except ImportError:
-        return _FlattenedTraffic(mesh)
+    """The course's traffic instrument (helpers.traffic.TrafficMeter) on `mesh`, told the
+    flattened dimensions' groups by name (`.calls[dim][kind]`, `.bytes[dim][kind]`, `.sent[dim]`)."""
+    from helpers.traffic import TrafficMeter
+
     return TrafficMeter(mesh, names={name: mesh[name].get_group() for name in FLATTENED})
-
-
-def _flattened_traffic_class():
-    try:
-        from labs.lab12_train import MeshTraffic, _ranks
-    except ImportError:                 # MeshTraffic moved to helpers.traffic
-        return None, None
-    return MeshTraffic, _ranks
-
-
-_MeshTraffic, _ranks = _flattened_traffic_class()
-
-
-class _FlattenedTraffic(_MeshTraffic or object):
-    """MeshTraffic with names for the flattened dimensions' ranks (a 1-D dimension of the same
-    ranks keeps its own name) and the all-to-alls' sent bytes (rows to the other ranks)."""
-
-    def __init__(self, mesh):
-        super().__init__(mesh)
-        for name in ("dp_shard_cp", "dp_cp", "dp"):        # before "world", after the 1-D dims
-            key = _ranks(mesh[name].get_group())
-            if self.ranks.get(key, "world") == "world":
-                self.ranks[key] = name
-                self.sizes[name] = mesh[name].size()
-
-    def _record(self, func, args) -> None:
-        super()._record(func, args)
-        if func._schema.name.split("::")[-1] == "alltoall_base_":
-            output, inputs, _, input_splits = args[:4]
-            n = self.sizes.get(self._dimension(args), 1)
-            rows = inputs.shape[0] if inputs.dim() else 0
-            splits = list(input_splits) or [rows // max(n, 1)] * n
-            row_bytes = inputs.nbytes // rows if rows else 0
-            rank = dist.get_rank(self._group(args)) if self._group(args) is not None else 0
-            self.sent[self._dimension(args)] += sum(s for j, s in enumerate(splits) if j != rank) * row_bytes
-
-    @staticmethod
-    def _group(args):
-        for a in args:
-            if isinstance(a, torch.ScriptObject):
-                try:
-                    return dist.ProcessGroup.unbox(a)
-                except RuntimeError:
-                    continue
-        return None
 
 
 # ========================================================================== the checked run
@@ -357,27 +307,36 @@ def default_sizes(world_size: int) -> dict:
         world_size, {"dp_shard": world_size})
 
 
-def parse_mesh(text: str) -> dict:
-    """"dp_shard=2,cp=2" -> {"dp_shard": 2, "cp": 2}."""
-    return {k: int(v) for k, v in (part.split("=") for part in text.split(",") if part)}
+@dataclass(frozen=True)
+class Run(runs.Run):
+    """The composed run on `mesh` ("dp_shard=2,cp=2,tp=2"; empty: `default_sizes` of the ranks)
+    for `steps` steps, the first ones checked against one process, with the model `model`
+    (lab13_model.MODELS)."""
+    model: str = "full"
+    mesh: str = ""
+    steps: int = 6
+    ranks: int | None = 8
+    SMOKE = dict(model="smoke", steps=3, ranks=4)
+
+    def __post_init__(self):
+        check_model(self.model)
+        parse_mesh(self.mesh)
 
 
-def run(ctx: DistContext, sizes: dict | None = None, steps: int | None = None) -> dict:
-    """The composed run on the default mesh of the world size (or {"unsolved": ...})."""
+def run(ctx: DistContext, cfg: Run) -> dict:
+    """The composed run on cfg's mesh (or {"unsolved": ...})."""
     from helpers.notice import attempt
 
-    return attempt(check_run, ctx, sizes or default_sizes(ctx.world_size), steps=steps or pick(6, 3))
+    return attempt(check_run, ctx, parse_mesh(cfg.mesh) or default_sizes(ctx.world_size),
+                   config=default_config(cfg.model), steps=cfg.steps)
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     from helpers.show import table
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mesh", default="", help="e.g. dp_shard=2,cp=2,tp=2 (default: from the world size)")
-    parser.add_argument("--steps", type=int, default=None)
-    args = parser.parse_args(argv)
+    cfg = Run.from_argv(argv)
     with distributed() as ctx:
-        out = run(ctx, parse_mesh(args.mesh) or None, args.steps)
+        out = run(ctx, cfg)
         ctx.report(train=out)
         if "unsolved" in out:
             return

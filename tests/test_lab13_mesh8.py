@@ -24,7 +24,7 @@ def worker() -> None:
     from labs.lab13_train import check_run
 
     with distributed() as ctx:
-        ctx.report(runs={name: check_run(ctx, sizes, config=default_config(**CONFIG), steps=2, traffic_step=None)
+        ctx.report(runs={name: check_run(ctx, sizes, config=default_config("smoke", **CONFIG), steps=2, traffic_step=None)
                          for name, sizes in MESHES.items()})
 
 

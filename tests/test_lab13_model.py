@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from labs import lab13_balance as balance_lab
+from labs import lab13_chooser as chooser_lab
 from labs import lab13_context as cp_lab
 from labs import lab13_grouped_gemm as gemm_lab
 from labs import lab13_model as model_lab
@@ -24,7 +25,7 @@ SMALL = dict(dim=32, heads=4, kv_heads=2, layers=2, ffn=64, seq=16, batch=2, exp
 
 
 def config(**changes):
-    return model_lab.default_config(**{**SMALL, **changes})
+    return model_lab.default_config("smoke", **{**SMALL, **changes})
 
 
 # ============================================================================ the model
@@ -248,18 +249,18 @@ def test_rank_groups_in_torchtitans_order():
 @pytest.mark.parametrize("times, outcome", [(([1, 1, 1], [2, 2, 2]), "held"), (([2, 2, 2], [1, 1, 1]), "reversed"),
                                             (([1, 2, 1], [2, 1, 2]), "noise")])
 def test_ranking_verdict_can_flip(times, outcome):
-    v = plan_lab.ranking_verdict(["a", "b"], {"a": times[0], "b": times[1]})
+    v = chooser_lab.ranking_verdict(["a", "b"], {"a": times[0], "b": times[1]})
     assert v["outcome"] == outcome
-    assert {"held": "held", "reversed": "did not hold", "noise": "noise"}[outcome] in plan_lab.verdict_sentence(v, ["a", "b"])
+    assert {"held": "held", "reversed": "did not hold", "noise": "noise"}[outcome] in chooser_lab.verdict_sentence(v, ["a", "b"])
 
 
 def test_the_published_layout_is_a_candidate_and_fits():
-    shape = plan_lab.MoEShape(**{**plan_lab.DEEPSEEK_V3.__dict__, "layers": 64})
-    from labs.lab11_planner import H800_CLUSTER
+    shape = plan_lab.MoEShape(**{**chooser_lab.DEEPSEEK_V3.__dict__, "layers": 64})
+    from labs.lab11_rankings import H800_CLUSTER
 
-    row = plan_lab.predict(plan_lab.DEEPSEEK_V3_PUBLISHED, shape, H800_CLUSTER, element_bytes=2, micro_batch_rows=1,
+    row = plan_lab.predict(chooser_lab.DEEPSEEK_V3_PUBLISHED, shape, H800_CLUSTER, element_bytes=2, micro_batch_rows=1,
                            recompute="full")
-    assert not plan_lab.layout_problem(plan_lab.DEEPSEEK_V3_PUBLISHED, shape) and row["fits"]
+    assert not plan_lab.layout_problem(chooser_lab.DEEPSEEK_V3_PUBLISHED, shape) and row["fits"]
     assert max(row["comm_s"], key=row["comm_s"].get) == "dp_shard_cp", "its all-to-alls dominate"
 
 

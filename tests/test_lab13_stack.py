@@ -65,7 +65,7 @@ def worker() -> None:
 
     with distributed() as ctx:
         ctx.report(ring=ring_checks(ctx))
-        ctx.report(studies=studies.run(ctx))
+        ctx.report(studies=studies.run(ctx, studies.Run.preset("smoke")))
         ctx.report(extra={name: check_run(ctx, sizes, steps=2, **options) for name, (sizes, options) in EXTRA.items()})
 
 
@@ -128,7 +128,7 @@ def test_resharding_under_a_pipeline_gathers_more(res):
 
 
 def test_the_chooser_ran_its_top_two(res):
-    from labs.lab13_planner import ranking_verdict
+    from labs.lab13_chooser import ranking_verdict
 
     chosen = parts(res, "chooser")[0]
     assert len(chosen["top"]) == 2 and all(len(t) >= 2 for t in chosen["measured"].values())
