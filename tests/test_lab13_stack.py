@@ -1,16 +1,20 @@
-"""Tests of lab 13's runs on 4 ranks, one launch (the instructor's solution throughout):
+"""Tests of lab 13's runs on 8 ranks, one launch (the instructor's solution throughout):
 
 - the course's ring attention for grouped-query attention at global positions (zig-zag, and
   positions in any order) and Ulysses, against one process's SDPA in float64, outputs and
   gradients;
-- every part of the notebook's launch (labs/lab13_studies.py) on 4 ranks: the composed run
-  against one process within labs/lab13_train.py's tolerances, the pipelined one, HSDP's bytes
-  across the halves against plain FSDP's, the ring's and Ulysses' bytes on cp counted against the
-  planner's formula, reshard_after_forward's all-gathers, the layout chooser's run;
+- every part of the notebook's full-size launch (labs/lab13_studies.py, its 8-rank meshes) at the
+  smoke sizes: the 5-D run (dp_shard 2 x cp 2 x tp 2, ep = dp_shard x cp) and its pipelined
+  variant (pp 2 x dp_shard 2 x cp 2) against one process within labs/lab13_train.py's
+  tolerances, HSDP's bytes across the halves against plain FSDP's, the ring's and Ulysses' bytes
+  on cp counted against the planner's formula, reshard_after_forward's all-gathers, the layout
+  chooser's run (4 ranks: the public tests and the notebook's smoke run);
 - the planner's count of every collective of a step per mesh dimension against the traffic
-  instrument's, on the launch's layouts and two more (a pipeline with tp; resharding under a
-  pipeline), the tp all-reduces aside (lab 12's instrument does not see the ones DTensor issues
-  inside its own dispatch).
+  instrument's (helpers.traffic.TrafficMeter), on the launch's layouts and two more (a pipeline
+  with tp; resharding under a pipeline); on tp, the planner's all-reduces are a lower bound.
+
+One launch of 8 ranks, not one of 4 and another of 8: on the course's 2-core machine a launch's
+start and its ranks' imports (FSDP2 and DTensor bring torch._dynamo) cost as much as the work.
 
 Run:  .venv/bin/python -m pytest tests/test_lab13_stack.py -q
 """
@@ -22,9 +26,9 @@ import pytest
 
 from tests.harness import launch_ranks
 
-NPROC = 4
-EXTRA = {"pp 2 x tp 2": ({"pp": 2, "tp": 2}, {}), "pp 2 x dp_shard 2, resharding": ({"pp": 2, "dp_shard": 2},
-                                                                                   {"reshard_after_forward": True})}
+NPROC = 8
+EXTRA = {"pp 2 x cp 2 x tp 2": ({"pp": 2, "cp": 2, "tp": 2}, {}),
+         "pp 2 x dp_shard 2 x tp 2, resharding": ({"pp": 2, "dp_shard": 2, "tp": 2}, {"reshard_after_forward": True})}
 
 
 # ============================================================================ the worker
@@ -39,7 +43,7 @@ def ring_checks(ctx) -> dict:
     n, r = ctx.world_size, ctx.rank
     g = torch.Generator().manual_seed(0)
     out = {}
-    for design, heads, kv in (("ring", 4, 2), ("ring", 4, 4), ("ulysses", 8, 4)):
+    for design, heads, kv in (("ring", 4, 2), ("ring", 4, 4), ("ulysses", 2 * n, n)):
         b, s, d = 2, 8 * n, 8
         q, k, v = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64) for h in (heads, kv, kv))
         dout = torch.randn(b, heads, s, d, generator=g, dtype=torch.float64)
@@ -61,12 +65,15 @@ def ring_checks(ctx) -> dict:
 def worker() -> None:
     from helpers.dist import distributed
     from labs import lab13_studies as studies
+    from labs.lab13_model import default_config
     from labs.lab13_train import check_run
 
     with distributed() as ctx:
         ctx.report(ring=ring_checks(ctx))
-        ctx.report(studies=studies.run(ctx, studies.Run.preset("smoke")))
-        ctx.report(extra={name: check_run(ctx, sizes, steps=2, **options) for name, (sizes, options) in EXTRA.items()})
+        ctx.report(studies=studies.run(ctx, studies.Run.preset("smoke", ranks=NPROC)))
+        config = default_config("smoke")
+        ctx.report(extra={name: check_run(ctx, sizes, config=config, steps=2, **options)
+                          for name, (sizes, options) in EXTRA.items()})
 
 
 @pytest.fixture(scope="module")
@@ -151,13 +158,14 @@ def test_planner_counts_every_collective(res, name):
     sizes = {d: run["sizes"].get(d, 1) for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
     options = EXTRA.get(name, ({}, {}))[1]
     layout = Layout(**sizes)
-    planned = per_dimension(step_calls(layout, MoEShape.from_config(default_config()), **options), layout.sizes)
+    planned = per_dimension(step_calls(layout, MoEShape.from_config(default_config("smoke")), **options), layout.sizes)
     for dim in set(planned) | set(run["traffic"]):
         measured = {k: v for k, v in run["traffic"].get(dim, {}).get("calls", {}).items() if k != "recv"}
         expected = dict(planned.get(dim, {}).get("calls", {}))
-        if dim == "tp":           # DTensor's own all-reduces: lab 12's instrument misses some
-            measured.pop("all_reduce", None)
-            expected.pop("all_reduce", None)
+        if dim == "tp":   # TrafficMeter sees more of DTensor's own all-reduces (loss_parallel's, the
+            # norms') than the planner counts: a lower bound there, an open question (see the report)
+            more, counted = measured.pop("all_reduce", 0), expected.pop("all_reduce", 0)
+            assert more >= counted, f"{name}, tp: {more} all-reduces measured, the planner counts {counted}"
         assert measured == expected, f"{name}, {dim}: measured {measured}, the planner counts {expected}"
 
 
