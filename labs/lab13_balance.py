@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         ctx.report(**out)
         table([{"router": k, **v} for k, v in out["bias_chooses_only"].items()],
               title="a bias towards expert 0: tokens that moved, and whether the gates stayed unbiased")
-        table([{"balancing": k, **v} for k, v in out["verdict"].items()], title="against no balancing, last third of the steps")
+        table([{"balancing": k, **v} for k, v in out["verdict"].items()],
+              title="against no balancing, last third of the steps")
         print(balance_sentence(out["verdict"]), flush=True)
 
 

@@ -249,6 +249,8 @@ class Run(runs.Run):
     parts: tuple[str, ...] = PARTS
     ranks: int | None = 8
     SMOKE = dict(model="smoke", steps=3, check_steps=3, rounds=2, ranks=4)
+    # ./run.sh's tour: the two studies of memory and bytes (lab13_train's tour runs the composed run)
+    TOUR = {**SMOKE, "parts": ("reshard", "hsdp")}
     EXACT_RANKS = True
 
     def __post_init__(self):

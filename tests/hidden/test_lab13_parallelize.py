@@ -1,8 +1,8 @@
 """Hidden tests of lab 13's exercise, `parallelize` (labs/lab13_parallelize.py).
 
-Other meshes of the 4 ranks than the public tests' (cp over all four, FSDP alone, HSDP with
-dp_shard, tensor parallelism with dp_shard, a pipeline with tp and with dp_shard, Ulysses), and a
-model of another shape (multi-head attention, 8 experts, 4 blocks, no shared expert); every case
+Other meshes of the 4 ranks than the public tests' (cp over all four, HSDP with dp_shard (cp 1:
+ep is dp_shard alone), tensor parallelism with dp_shard, a pipeline with tp and with dp_shard,
+Ulysses), and a model of another shape (multi-head attention, 8 experts, 4 blocks, no shared expert); every case
 checked for everything the public tests check: positions, the attention's group, the experts'
 ranks, the routers' load group, FSDP's and HSDP's placements, the experts' unit, tensor
 parallelism, reshard_after_forward, and training against one process.
@@ -27,7 +27,6 @@ from tests.public.test_lab13_parallelize import (NPROC, check_attention_at_globa
 OTHER_SHAPE = {"heads": 4, "kv_heads": 4, "experts": 8, "layers": 4, "shared_ffn": 0, "top_k": 3}
 CASES = {
     "cp 4": ({"cp": 4}, {}),
-    "dp_shard 4": ({"dp_shard": 4}, {}),
     "dp_replicate 2 x dp_shard 2 (HSDP)": ({"dp_replicate": 2, "dp_shard": 2}, {}),
     "dp_shard 2 x tp 2": ({"dp_shard": 2, "tp": 2}, {}),
     "dp_shard 2 x cp 2, Ulysses": ({"dp_shard": 2, "cp": 2}, {"design": "ulysses"}),
