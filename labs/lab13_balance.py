@@ -34,6 +34,7 @@ class Run(runs.Run):
     steps: int = 36
     ranks: int | None = 1
     SMOKE = dict(model="smoke", steps=6)
+    TOUR = dict(model="smoke", steps=3)      # ./run.sh: a glimpse (every lab in minutes)
 
     def __post_init__(self):
         check_model(self.model)

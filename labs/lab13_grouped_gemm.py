@@ -37,6 +37,7 @@ class Run(runs.Run):
     rounds: int = 7
     ranks: int | None = 1
     SMOKE = dict(tokens=256, rounds=3)
+    TOUR = dict(tokens=128, rounds=2)        # ./run.sh: a glimpse (every lab in minutes)
 
 
 # ============================================================================ what it takes

@@ -87,6 +87,7 @@ class Run(runs.Run):
     steps: int = 100
     ranks: int | None = 1
     SMOKE = dict(model="smoke", steps=5)
+    TOUR = dict(model="smoke", steps=2)      # ./run.sh: a glimpse (every lab in minutes)
 
     def __post_init__(self):
         check_model(self.model)

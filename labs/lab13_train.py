@@ -317,6 +317,7 @@ class Run(runs.Run):
     steps: int = 6
     ranks: int | None = 8
     SMOKE = dict(model="smoke", steps=3, ranks=4)
+    TOUR = dict(model="smoke", steps=2, ranks=4)   # ./run.sh: a glimpse (every lab in minutes)
 
     def __post_init__(self):
         check_model(self.model)
