@@ -94,8 +94,9 @@ def balance_study(config: MoEConfig, steps: int) -> dict[str, dict]:
 
 def balance_verdict(study: dict[str, dict], window: float = 1 / 3) -> dict[str, dict]:
     """Each balancing against none over the last `window` of the steps: the fraction of those
-    steps where its imbalance was lower, its mean imbalance and loss there, and "lower" (in at
-    least 80% of the steps), "higher" (in at most 20%) or "no clear difference"."""
+    steps where its imbalance was lower, its mean imbalance and loss there, and "lower" (lower in
+    at least 80% of the steps), "higher" (higher in at least 80%) or "no clear difference" (ties,
+    e.g. a run too short for the bias to act, count for neither)."""
     none = study["none"]
     n = len(none["imbalance"])
     start = n - max(1, int(n * window))
@@ -105,11 +106,12 @@ def balance_verdict(study: dict[str, dict], window: float = 1 / 3) -> dict[str, 
             continue
         pairs = list(zip(run["imbalance"][start:], none["imbalance"][start:]))
         lower = sum(a < b for a, b in pairs) / len(pairs)
+        higher = sum(a > b for a, b in pairs) / len(pairs)
         mean = sum(a for a, _ in pairs) / len(pairs)
         out[name] = {"lower_fraction": lower, "imbalance": mean,
                      "none_imbalance": sum(b for _, b in pairs) / len(pairs),
                      "loss": sum(run["losses"][start:]) / len(pairs), "none_loss": sum(none["losses"][start:]) / len(pairs),
-                     "outcome": "lower" if lower >= 0.8 else "higher" if lower <= 0.2 else "no clear difference"}
+                     "outcome": "lower" if lower >= 0.8 else "higher" if higher >= 0.8 else "no clear difference"}
     return out
 
 

@@ -204,7 +204,8 @@ def study(bias_imbalance):
 
 
 @pytest.mark.parametrize("curve, outcome", [([3.0] * 6 + [2.0] * 3, "lower"), ([3.0] * 6 + [4.0] * 3, "higher"),
-                                            ([3.0] * 6 + [2.0, 4.0, 3.0], "no clear difference")])
+                                            ([3.0] * 6 + [2.0, 4.0, 3.0], "no clear difference"),
+                                            ([3.0] * 9, "no clear difference")])
 def test_balance_verdict_can_flip(curve, outcome):
     v = balance_lab.balance_verdict(study(curve))
     assert v["bias (DeepSeek-V3)"]["outcome"] == outcome
