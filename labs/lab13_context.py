@@ -1,4 +1,4 @@
-"""Lab 13 (context parallelism inside the model): the course's ring attention as the model's
+"""Lab 13 (context parallelism inside the model; a library of lab 13): the course's ring attention as the model's
 attention on the cp dimension, for grouped-query attention, at global positions; Ulysses as the
 alternative where the key/value heads split over the cp ranks.
 

@@ -1,4 +1,4 @@
-"""Lab 13 (experts across ranks): expert parallelism inside the model, on a sub-mesh, and expert
+"""Lab 13 (experts across ranks; a library of lab 13): expert parallelism inside the model, on a sub-mesh, and expert
 tensor parallelism beside it.
 
 Run:  imported by labs/lab13_parallelize.py and labs/lab13_train.py (no run of its own).

@@ -1,4 +1,4 @@
-"""Lab 13 (a layout chooser): every 5-D layout the model's shapes allow on a number of ranks, its
+"""Lab 13 (a layout chooser; a library of lab 13): every 5-D layout the model's shapes allow on a number of ranks, its
 collectives counted per mesh dimension and step, their time and the compute's predicted on a
 machine, ranked (`rank_layouts`). labs/lab13_chooser.py ranks the layouts of 8 ranks for this
 machine, measured in the launch, runs the top two and says whether the ranking held; and ranks the
