@@ -205,7 +205,12 @@ def control_settings(controls: Sequence[Any]) -> str:
     for control in controls:
         if not hasattr(control, "value"):
             continue  # a button
-        value = getattr(control, "label", control.value)
+        value = control.value
+        labels, index = getattr(control, "_options_labels", None), getattr(control, "index", None)
+        if labels and isinstance(index, int):  # a selection shows its label, not its value
+            value = labels[index]      # (its `label` stays '' while the first option is chosen)
+        elif labels and isinstance(index, (tuple, list)):
+            value = [labels[i] for i in index]
         if isinstance(value, (tuple, list)):
             value = ", ".join(map(str, value))
         shown.append(f"{control.description or type(control).__name__}: {value}")

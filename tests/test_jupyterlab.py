@@ -452,6 +452,22 @@ def test_explorer_leaves_its_last_view_where_no_widget_state_is_saved(lab):
         "ipywidgets shows a missing widget differently now: check the saved view's stylesheet"
 
 
+def test_saved_view_names_every_control_as_the_student_set_it():
+    """The saved view's "drawn for" line shows each control as the student sees it: a selection
+    by its label (ipywidgets leaves a SelectionSlider's `label` empty while its first option is
+    chosen: notebook 11's saved view read "router skew: ;"), several choices, numbers, boxes."""
+    import ipywidgets as widgets
+
+    line = show.control_settings([
+        widgets.SelectionSlider(options=[0.0, 0.5], value=0.0, description="router skew"),
+        widgets.Dropdown(options=[("none (dropless)", 0.0), ("1.0", 1.0)], value=0.0, description="capacity"),
+        widgets.SelectMultiple(options=["thread", "process"], value=("thread", "process"), description="kinds"),
+        widgets.IntSlider(value=3, description="n"), widgets.Checkbox(value=False, description="causal"),
+        widgets.Button(description="measure")])
+    assert line == ("drawn for router skew: 0.0; capacity: none (dropless); kinds: thread, process; "
+                    "n: 3; causal: False"), line
+
+
 def test_a_notebook_opened_run_and_saved_is_unchanged_for_git(lab):
     """A notebook opened, run and saved in JupyterLab (outputs, widget state, and the kernel's name
     and Python version in its metadata) shows no change in git diff, nor in git status (git
