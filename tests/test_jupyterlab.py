@@ -468,6 +468,25 @@ def test_saved_view_names_every_control_as_the_student_set_it():
                     "n: 3; causal: False"), line
 
 
+def test_every_notebook_shows_its_widgets_through_an_explorer():
+    """A widget displayed any other way than by `show.explorer` leaves nothing after a kernel
+    restart and a save ("Error displaying widget: model not found", the view gone): every
+    notebook cell that uses ipywidgets calls explorer(). And no toggle button has a fixed width:
+    Chromium cut notebook 11's 'contiguous' to 'contiguo...' at 90 px. (The rest of what a student
+    sees in a browser is tools/jupyterlab_pass.py's, docs/MAINTAINERS.md.)"""
+    offenders = []
+    for path in sorted((REPO_ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            source = "".join(cell["source"])
+            if cell["cell_type"] != "code" or "widgets" not in source:
+                continue
+            if "explorer(" not in source:
+                offenders.append(f"{path.name} cell {i}: widgets shown without explorer()")
+            if re.search(r"button_width[\"']?\s*[:=]\s*[\"']\d", source):
+                offenders.append(f"{path.name} cell {i}: a toggle button of fixed width cuts its label")
+    assert not offenders, "\n".join(offenders)
+
+
 def test_a_notebook_opened_run_and_saved_is_unchanged_for_git(lab):
     """A notebook opened, run and saved in JupyterLab (outputs, widget state, and the kernel's name
     and Python version in its metadata) shows no change in git diff, nor in git status (git
