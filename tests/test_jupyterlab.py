@@ -471,8 +471,9 @@ def test_saved_view_names_every_control_as_the_student_set_it():
 def test_every_notebook_shows_its_widgets_through_an_explorer():
     """A widget displayed any other way than by `show.explorer` leaves nothing after a kernel
     restart and a save ("Error displaying widget: model not found", the view gone): every
-    notebook cell that uses ipywidgets calls explorer(). And no toggle button has a fixed width:
-    Chromium cut notebook 11's 'contiguous' to 'contiguo...' at 90 px. (The rest of what a student
+    notebook cell that uses ipywidgets calls explorer(). And no label is cut: Chromium showed
+    notebook 11's toggle button 'contiguous' as 'contiguo...' (90 px), 06's description
+    'micro-batches m' as 'micro-bat...' (ipywidgets' 80 px). (The rest of what a student
     sees in a browser is tools/jupyterlab_pass.py's, docs/MAINTAINERS.md.)"""
     offenders = []
     for path in sorted((REPO_ROOT / "notebooks").glob("*.ipynb")):
@@ -484,6 +485,14 @@ def test_every_notebook_shows_its_widgets_through_an_explorer():
                 offenders.append(f"{path.name} cell {i}: widgets shown without explorer()")
             if re.search(r"button_width[\"']?\s*[:=]\s*[\"']\d", source):
                 offenders.append(f"{path.name} cell {i}: a toggle button of fixed width cuts its label")
+            # a control's description gets 80 px (ipywidgets' default) unless its style says
+            # otherwise: Chromium showed notebook 06's "micro-batches m" as "micro-bat..."
+            for kind, call in re.findall(r"widgets\.(\w+)\((.*?)(?=widgets\.|\Z)", source, re.S):
+                label = re.search(r'description="([^"]*)"', call)
+                if label and len(label.group(1)) > 10 and kind not in ("Checkbox", "Button") \
+                        and "description_width" not in call and "style=style" not in call:
+                    offenders.append(f"{path.name} cell {i}: the description {label.group(1)!r} is cut "
+                                     "at ipywidgets' 80 px (give it style={'description_width': ...})")
     assert not offenders, "\n".join(offenders)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -158,19 +159,25 @@ class Lab:
         found = []
         for k, i in enumerate(self.js(EXPLORER_CELLS)):
             self.js(NOTEBOOK + " await nb.content.scrollToItem(arg, 'start');", i)
-            time.sleep(2)
+            for _ in range(30):  # a windowed notebook draws a cell's outputs once it is in view
+                time.sleep(1)
+                if self.js(NOTEBOOK + " return !!nb.content.widgets[arg].node.querySelector('.jp-Cell-outputWrapper .jp-OutputArea-output');", i):
+                    break
             cell = self.page.evaluate_handle(
                 "(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].node", i).as_element()
             state = {"cell": i, **self.page.evaluate(PAGE_STATE, cell)}
             if move and state["controls"]:
                 state["first control changes the panel"] = self.move_first_control(cell)
-            cell.query_selector(".jp-Cell-outputWrapper").screenshot(path=str(shots / f"{name}-{stage}-{k}.png"))
+            cell = self.page.evaluate_handle(  # drawn anew where the notebook re-rendered it
+                "(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].node", i).as_element()
+            (cell.query_selector(".jp-Cell-outputWrapper") or cell).screenshot(
+                path=str(shots / f"{name}-{stage}-{k}.png"))
             found.append(state)
         return found
 
     def move_first_control(self, cell) -> bool:
         """Set the explorer's first control to another value (and press its button, if it has one);
-        whether its panel (the last HTML in the box) changed within a minute."""
+        whether its panel (the last HTML in the box) changed within a minute (or why it need not)."""
         panel = "(c) => { const p = c.querySelectorAll('.widget-vbox > .widget-html'); return p.length ? p[p.length - 1].innerHTML : ''; }"
         before = self.page.evaluate(panel, cell)
         control = cell.query_selector(".widget-vbox .widget-hbox > *:not(.widget-button)")
@@ -197,7 +204,9 @@ class Lab:
             time.sleep(1)
             if self.page.evaluate(panel, cell) != before:
                 return True
-        return False
+        # an unsolved exercise's notice alone is the same whatever the controls say
+        return "the panel is an exercise's notice" if before.count("course-exercise-notice") and \
+            not re.sub(r'<div class="course-exercise-notice.*?</div>', "", before, flags=re.S).strip() else False
 
     def close(self) -> None:
         self.ctx.close()
