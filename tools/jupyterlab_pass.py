@@ -191,19 +191,25 @@ class Lab:
         elif control.query_selector(".widget-toggle-button:not(.mod-active)"):
             control.query_selector(".widget-toggle-button:not(.mod-active)").click()
         else:  # a slider: one step right (or left, at its end)
-            handle = control.query_selector(".noUi-handle")
-            handle.focus()
+            readout = lambda: control.query_selector(".widget-readout").inner_text()
+            start = readout()
+            control.query_selector(".noUi-handle").focus()
             self.page.keyboard.press("ArrowRight")
-            if self.page.evaluate(panel, cell) == before:
-                self.page.keyboard.press("ArrowLeft")
+            time.sleep(0.5)
+            if readout() == start:
                 self.page.keyboard.press("ArrowLeft")
         button = cell.query_selector(".widget-vbox .widget-hbox .widget-button:not(.widget-toggle-button)")
         if button:
             button.click()
         for _ in range(60):
             time.sleep(1)
-            if self.page.evaluate(panel, cell) != before:
-                return True
+            now = self.page.evaluate(panel, cell)
+            if now != before:
+                while True:  # until the kernel has drawn the last value (no change for 2 s)
+                    time.sleep(2)
+                    now, last = self.page.evaluate(panel, cell), now
+                    if now == last:
+                        return True
         # an unsolved exercise's notice alone is the same whatever the controls say
         return "the panel is an exercise's notice" if before.count("course-exercise-notice") and \
             not re.sub(r'<div class="course-exercise-notice.*?</div>', "", before, flags=re.S).strip() else False
