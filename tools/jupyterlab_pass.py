@@ -278,9 +278,11 @@ def notebook_pass(lab: Lab, student: Path, path: str, shots: Path) -> dict:
 def update_pass(out: Path, student: Path, env: dict, path: str, shots: Path) -> dict:
     r: dict = {"notebook": path, "problems": []}
     course = out / "course"
-    nb = json.loads((course / path).read_text())
-    nb["cells"][0]["source"] = ["**Updated by the course.**\n\n"] + list(nb["cells"][0]["source"])
-    (course / path).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    import nbformat  # written as JupyterLab and the course's filter write it (one string a line)
+
+    nb = nbformat.read(course / path, as_version=4)
+    nb.cells[0].source = "**Updated by the course.**\n\n" + nb.cells[0].source
+    nbformat.write(nb, course / path)
     sh("git", "-c", "user.email=course@example.org", "-c", "user.name=course", "commit", "-qam",
        f"{path} updated", cwd=course)
     sh("git", "push", "-q", "origin", "main", cwd=course)
