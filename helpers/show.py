@@ -120,9 +120,22 @@ def bar_chart(labels: Sequence[str], values: Sequence[float], *, title: str, yla
 # ---------------------------------------------------------------------------- interactive explorers
 def html_table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None,
                title: str | None = None, floatfmt: str = ".3g") -> str:
-    """A table as HTML (a <pre> block of the aligned text), for an explorer's panel."""
+    """A table as an HTML <table>, for an explorer's panel: numbers right-aligned, every cell's
+    text escaped, styled inline (a widget's HTML gets none of JupyterLab's table style). A wide
+    table stays a table: its cells wrap within their columns (a <pre> of aligned text wrapped its
+    rows mid-line in Chromium at 1366 px, notebook 05's links table)."""
+    rows = list(rows)
+    keys = list(columns or (rows[0].keys() if rows else []))
+    pad = "padding: 2px 8px; border-bottom: 1px solid #ddd"
+    cell = lambda tag, value: (
+        f'<{tag} style="{pad}; text-align: '
+        f'{"right" if isinstance(value, (int, float)) and not isinstance(value, bool) else "left"}">'
+        f"{html.escape(_fmt(value, floatfmt))}</{tag}>")
     head = f"<b>{html.escape(title)}</b>" if title else ""
-    return f"{head}<pre>{html.escape(format_table(rows, columns, floatfmt))}</pre>"
+    return (f'{head}<table class="{NO_MATH_CLASS}" style="border-collapse: collapse; margin: 4px 0">'
+            "<tr>" + "".join(cell("th", str(k)) for k in keys) + "</tr>"
+            + "".join("<tr>" + "".join(cell("td", row.get(k, "")) for k in keys) + "</tr>" for row in rows)
+            + "</table>")
 
 
 def html_figure(fig) -> str:
@@ -205,7 +218,12 @@ def control_settings(controls: Sequence[Any]) -> str:
     for control in controls:
         if not hasattr(control, "value"):
             continue  # a button
-        value = getattr(control, "label", control.value)
+        value = control.value
+        labels, index = getattr(control, "_options_labels", None), getattr(control, "index", None)
+        if labels and isinstance(index, int):  # a selection shows its label, not its value
+            value = labels[index]      # (its `label` stays '' while the first option is chosen)
+        elif labels and isinstance(index, (tuple, list)):
+            value = [labels[i] for i in index]
         if isinstance(value, (tuple, list)):
             value = ", ".join(map(str, value))
         shown.append(f"{control.description or type(control).__name__}: {value}")

@@ -281,6 +281,7 @@ def draw_routing(n: int, per: int, top_k: int, skew: float, capacity_factor: flo
         right.axhline(n * capacity, color="tab:red", linestyle="--", linewidth=1, label=f"N x capacity: {n} x {capacity}")
         right.legend(fontsize=8)
     right.axhline(sum(p["tokens_per_expert"]) / num_experts, color="gray", linestyle=":", linewidth=1)
+    right.xaxis.get_major_locator().set_params(integer=True)   # expert ids, never 0.5
     right.set(xlabel="expert (colour: its rank)", ylabel="rows (all ranks' tokens)", title="load per expert (dotted: mean)")
     fig.tight_layout()
     rank0 = all_to_all_bytes(p["splits"], 0, 4096 * 2, num_experts)

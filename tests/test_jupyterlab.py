@@ -452,6 +452,50 @@ def test_explorer_leaves_its_last_view_where_no_widget_state_is_saved(lab):
         "ipywidgets shows a missing widget differently now: check the saved view's stylesheet"
 
 
+def test_saved_view_names_every_control_as_the_student_set_it():
+    """The saved view's "drawn for" line shows each control as the student sees it: a selection
+    by its label (ipywidgets leaves a SelectionSlider's `label` empty while its first option is
+    chosen: notebook 11's saved view read "router skew: ;"), several choices, numbers, boxes."""
+    import ipywidgets as widgets
+
+    line = show.control_settings([
+        widgets.SelectionSlider(options=[0.0, 0.5], value=0.0, description="router skew"),
+        widgets.Dropdown(options=[("none (dropless)", 0.0), ("1.0", 1.0)], value=0.0, description="capacity"),
+        widgets.SelectMultiple(options=["thread", "process"], value=("thread", "process"), description="kinds"),
+        widgets.IntSlider(value=3, description="n"), widgets.Checkbox(value=False, description="causal"),
+        widgets.Button(description="measure")])
+    assert line == ("drawn for router skew: 0.0; capacity: none (dropless); kinds: thread, process; "
+                    "n: 3; causal: False"), line
+
+
+def test_every_notebook_shows_its_widgets_through_an_explorer():
+    """A widget displayed any other way than by `show.explorer` leaves nothing after a kernel
+    restart and a save ("Error displaying widget: model not found", the view gone): every
+    notebook cell that uses ipywidgets calls explorer(). And no label is cut: Chromium showed
+    notebook 11's toggle button 'contiguous' as 'contiguo...' (90 px), 06's description
+    'micro-batches m' as 'micro-bat...' (ipywidgets' 80 px). (The rest of what a student
+    sees in a browser is tools/jupyterlab_pass.py's, docs/MAINTAINERS.md.)"""
+    offenders = []
+    for path in sorted((REPO_ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            source = "".join(cell["source"])
+            if cell["cell_type"] != "code" or "widgets" not in source:
+                continue
+            if "explorer(" not in source:
+                offenders.append(f"{path.name} cell {i}: widgets shown without explorer()")
+            if re.search(r"button_width[\"']?\s*[:=]\s*[\"']\d", source):
+                offenders.append(f"{path.name} cell {i}: a toggle button of fixed width cuts its label")
+            # a control's description gets 80 px (ipywidgets' default) unless its style says
+            # otherwise: Chromium showed notebook 06's "micro-batches m" as "micro-bat..."
+            for kind, call in re.findall(r"widgets\.(\w+)\((.*?)(?=widgets\.|\Z)", source, re.S):
+                label = re.search(r'description="([^"]*)"', call)
+                if label and len(label.group(1)) > 10 and kind not in ("Checkbox", "Button") \
+                        and "description_width" not in call and "style=style" not in call:
+                    offenders.append(f"{path.name} cell {i}: the description {label.group(1)!r} is cut "
+                                     "at ipywidgets' 80 px (give it style={'description_width': ...})")
+    assert not offenders, "\n".join(offenders)
+
+
 def test_a_notebook_opened_run_and_saved_is_unchanged_for_git(lab):
     """A notebook opened, run and saved in JupyterLab (outputs, widget state, and the kernel's name
     and Python version in its metadata) shows no change in git diff, nor in git status (git
