@@ -202,13 +202,18 @@ class Lab:
         self.client.load_connection_file()
         self.client.start_channels()
         # wait_for_ready calls the kernel dead if its heartbeat does not answer within a second of
-        # the first request: a kernel still importing (a busy machine) is not dead; the server
-        # knows when it is up
+        # the first request: a kernel still importing (a busy machine) is not dead, so ask again
+        # until the deadline. (The server's execution_state is no guide: with no front end
+        # connected it stays "starting" after the kernel is up, and waiting for it cost 120 s.)
         deadline = time.monotonic() + 120
-        while self.api("GET", f"/api/kernels/{self.kernel_id}")["execution_state"] == "starting" \
-                and time.monotonic() < deadline:
-            time.sleep(0.5)
-        self.client.wait_for_ready(timeout=120)
+        while True:
+            try:
+                self.client.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         # the notebooks put the repository root first on the path; this checkout's helpers
         self.run(f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r})")
 
