@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers.dist import error_line, new_group
+from helpers.dist import error_line, new_group, timeout_seconds
 from helpers.flight_recorder import flight_recorder_size, flight_records
 
 BUGS = {
@@ -64,6 +64,7 @@ BUGS = {
     "gradients_averaged_twice": "the loss is divided by the world size before the gradients are averaged",
 }
 HANG_TIMEOUT_S = 2.0  # a hung job's group gives up after this long
+JOB_TIMEOUT_S = 300.0  # a job's group before its planted hang (see run_jobs)
 IN, HIDDEN, LR = 8, 16, 0.05
 # the collectives a hang bug plants (`issue` gives each a size no other one sends, so that two
 # different ops never pair up as one)
@@ -248,7 +249,11 @@ def run_jobs(jobs: list[tuple[str, int, int]], rank: int, world_size: int) -> li
         if bug not in BUGS or not 2 <= job_world <= world_size:
             raise ValueError(f"job {(bug, seed, job_world)}: the bug must be one of BUGS and the job's "
                              f"world size within 2..{world_size}")
-    groups = [new_group(list(range(job_world)), name=f"job {i}", backend="gloo")  # same order everywhere
+    # Same order everywhere. Every job's group waits up to JOB_TIMEOUT_S (DIST_TIMEOUT if longer):
+    # the jobs run at once, in threads, and a healthy job's collective can wait behind the others
+    # on a busy machine; a planted hang gives up after HANG_TIMEOUT_S (give_up_soon).
+    seconds = max(timeout_seconds(), JOB_TIMEOUT_S)
+    groups = [new_group(list(range(job_world)), name=f"job {i}", backend="gloo", timeout_s=seconds)
               for i, (_, _, job_world) in enumerate(jobs)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(run_job, bug, seed, rank, job_world, group, torch.device("cpu"))

@@ -392,6 +392,10 @@ def misdiagnosed(bug: str, said, seed: int, job) -> str:
                 "records: one rank holding one collective more, or as many in another order")
     if bug in HANGS:
         return f"{head}: the job ended in an error ({job.error[:60]!r}): {HINTS[bug]}"
+    if said in HANGS and job.error:  # not the planted bug's doing: the run itself failed
+        return (f"{head}: this job's bug is no hang, yet it ended in an error ({job.error[:120]!r}, "
+                f"rank {job.error_rank}): the run failed around the bug (a busy machine's timeout?); "
+                "rerun the check")
     if said in HANGS:
         return f"{head}: this job ended without an error, so nothing hung"
     odd = "every rank" if cfg["every_rank"] else f"rank {cfg['odd_rank']} alone"
