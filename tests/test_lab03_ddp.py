@@ -251,7 +251,8 @@ def test_caveats(labs_run):
 
 
 # --- runs that end cleanly ----------------------------------------------------------------------
-EXIT_RUNS = 2  # fresh ranks each time: forked ranks skip the interpreter's exit, where it aborted
+EXIT_RUNS = 1  # fresh ranks: forked ranks skip the interpreter's exit, where it aborted (its checks
+#               are of threads and groups, not of chance: one run sees them)
 
 
 def test_bucketed_ddp_runs_end_cleanly():
